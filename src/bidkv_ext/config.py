@@ -1,0 +1,145 @@
+"""BidKV configuration: one validated, frozen model read from env and ``additional_config``.
+
+Precedence: defaults < ``BIDKV_UTILITY_*`` environment variables < keys of the object
+``additional_config["bidkv"]`` (the plain dict vLLM gets from ``--additional-config``). Other
+``additional_config`` keys belong to other components (``preemption_policy``,
+``_manager_runtime_qualification``, ...) and are ignored.
+
+Every invalid value fails at construction with one line that names the variable (or the
+``additional_config`` key) and what is accepted: :class:`ConfigError`, a ``ValueError``, so
+the host's loader lets it propagate and engine start-up fails with that message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ENV_PREFIX", "BidKVConfig", "ConfigError"]
+
+ENV_PREFIX = "BIDKV_UTILITY_"
+ADDITIONAL_CONFIG_KEY = "bidkv"
+
+# Strict booleans: what an operator plausibly writes, nothing else ("2" or "maybe" fail).
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line naming its source."""
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+NonNegFloat = Annotated[float, Field(ge=0.0)]
+
+
+class BidKVConfig(BaseModel):
+    """The policy's settings. ``BidKVConfig(enabled=True).is_active`` is what a host checks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+    enabled: bool = False
+    kill_switch: bool = False
+    strategy: str = "bidkv"
+    seed: int = 0
+    liveness_preemptions: NonNegInt = 2
+    cascade_gain_ratio: Annotated[float, Field(ge=1.0)] = 1.25
+    epsilon: Annotated[float, Field(gt=0.0)] = 1e-3
+    default_max_tokens: Annotated[int, Field(gt=0)] = 1024
+    # Terms of the disruption estimate delta (see docs/policy.md).
+    base_cost: NonNegFloat = 64.0
+    recompute_weight: NonNegFloat = 1.0
+    completion_weight: NonNegFloat = 1.0
+    completion_horizon: Annotated[float, Field(gt=0.0)] = 32.0
+    preempt_weight: NonNegFloat = 1.0
+    first_token_weight: NonNegFloat = 0.0
+    cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
+    use_host_facts: bool = True
+    block_size: Annotated[int, Field(gt=0)] = 16
+    prefix_caching: bool = True
+
+    @field_validator("enabled", "kill_switch", "use_host_facts", "prefix_caching", mode="before")
+    @classmethod
+    def _strict_bool(cls, value: object) -> object:
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        if isinstance(value, bool):
+            return value
+        raise ValueError("expected a boolean")
+
+    @field_validator("strategy", mode="after")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        from bidkv_ext.strategies import STRATEGY_NAMES
+
+        if value not in STRATEGY_NAMES:
+            raise ValueError(f"unknown strategy; accepted: {', '.join(sorted(STRATEGY_NAMES))}")
+        return value
+
+    @property
+    def is_active(self) -> bool:
+        """True when the policy may choose victims: enabled and the kill switch is off."""
+        return self.enabled and not self.kill_switch
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        # BIDKV_UTILITY_ENABLE is the reference's spelling; keep it.
+        return ENV_PREFIX + ("ENABLE" if field == "enabled" else field.upper())
+
+    @classmethod
+    def from_sources(
+        cls,
+        additional_config: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> BidKVConfig:
+        """Build from the environment, then ``additional_config["bidkv"]``, then overrides."""
+        values: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        if environ is not None:
+            known = {cls.env_name(name): name for name in cls.model_fields}
+            for env, raw in environ.items():
+                if not env.startswith(ENV_PREFIX):
+                    continue
+                if env not in known:
+                    # A typo must not silently leave a default in force.
+                    accepted = ", ".join(sorted(known))
+                    raise ConfigError(f"{env} is not a BidKV setting; accepted: {accepted}")
+                values[known[env]] = raw
+                origin[known[env]] = env
+        section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if section is not None:
+            if not isinstance(section, Mapping):
+                raise ConfigError(
+                    f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a JSON object"
+                )
+            for key, value in section.items():
+                values[key] = value
+                origin[key] = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]"
+        values.update(overrides)
+        return cls.validated(values, origin)
+
+    @classmethod
+    def validated(cls, values: Mapping[str, Any], origin: Mapping[str, str]) -> BidKVConfig:
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigError(_one_line(exc, values, origin)) from None
+
+
+def _one_line(exc: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    error = exc.errors(include_url=False)[0]
+    field = str(error["loc"][0]) if error["loc"] else "config"
+    source = origin.get(field, field)
+    if error["type"] == "extra_forbidden":
+        accepted = ", ".join(sorted(BidKVConfig.model_fields))
+        return f"{source} is not a BidKV setting; accepted: {accepted}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{source}={values.get(field)!r} is invalid: {message}"

@@ -1,0 +1,226 @@
+"""The policy controller: the host-side guard around a ``vllm.preemption-policy.v1`` policy.
+
+It follows the vLLM-HUST host's rules (preemption-contract.md, sections 4-6) and is stricter
+in one place: any return value that is neither ``None`` nor a ``str`` naming a candidate is
+an invalid selection, even when it is unhashable, so nothing the policy returns can escape
+into the scheduler.
+
+Per call: one thread check, one counter increment, one call into the policy and one scan
+of the candidate tuple to validate the answer (no allocation on the success path).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from bidkv_ext.contract import (
+    PreemptionContext,
+    PreemptionContextFacts,
+    PreemptionPolicy,
+    PreemptionPolicyStats,
+)
+
+__all__ = [
+    "EvidenceSink",
+    "PolicyController",
+    "builtin_victim_id",
+    "load_policy",
+    "policy_name_of",
+]
+
+logger = logging.getLogger("bidkv_ext.controller")
+
+_NOT_A_POLICY = "preemption_policy must resolve to an object implementing PreemptionPolicy"
+_WRONG_THREAD = "PreemptionPolicyController must be used by its scheduler thread"
+
+
+class EvidenceSink(Protocol):
+    """Receives controller lifecycle events; failures in it are swallowed."""
+
+    def __call__(self, event: str, stats: dict[str, object]) -> None: ...
+
+
+def builtin_victim_id(context: PreemptionContext) -> str:
+    """The host's own victim: ``builtin_victim_id`` if valid, else priority max or the tail."""
+    candidates = context.candidates
+    if not candidates:
+        raise ValueError("cannot select a preemption victim from an empty set")
+    hinted = context.builtin_victim_id
+    if hinted is not None:
+        for candidate in candidates:
+            if candidate.request_id == hinted:
+                return candidate.request_id
+    if context.scheduling_policy == "priority":
+        return max(candidates, key=lambda c: (c.priority, c.arrival_time)).request_id
+    return candidates[-1].request_id
+
+
+def policy_name_of(policy: object) -> str:
+    kind = type(policy)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _resolve_qualname(path: str) -> Any:
+    # vLLM's resolve_obj_by_qualname: "package.module.Object" (dots only).
+    module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"preemption_policy must be a dotted path 'module.Object', got {path!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPolicy | None:
+    """Load a policy by the host's rules: None, a dotted path, a class, or an instance.
+
+    Nothing is wrapped in ``try``: import errors, constructor exceptions and configuration
+    errors propagate, so a broken policy fails engine start-up with its own message.
+    """
+    if spec is None:
+        return None
+    obj = _resolve_qualname(spec) if isinstance(spec, str) else spec
+    factory = getattr(obj, "from_vllm_config", None)
+    if callable(factory):
+        result = factory(vllm_config)
+    elif isinstance(obj, type):
+        result = obj()
+    else:
+        result = obj
+    if not isinstance(result, PreemptionPolicy):
+        raise TypeError(_NOT_A_POLICY)
+    return result
+
+
+class PolicyController:
+    """Counts, validates and contains one policy for the life of an engine process."""
+
+    __slots__ = ("_evidence", "_owner", "_policy", "_select_with_facts", "_stats")
+
+    def __init__(
+        self,
+        policy: PreemptionPolicy | None,
+        *,
+        evidence: EvidenceSink | None = None,
+    ) -> None:
+        if policy is not None and not isinstance(policy, PreemptionPolicy):
+            raise TypeError(_NOT_A_POLICY)
+        self._owner = threading.get_ident()
+        self._policy = policy
+        self._evidence = evidence
+        self._select_with_facts: Callable[..., object] | None = getattr(
+            policy, "select_victim_with_facts", None
+        )
+        name = "builtin" if policy is None else policy_name_of(policy)
+        self._stats = PreemptionPolicyStats(policy_name=name, enabled=policy is not None)
+        logger.info(
+            "Preemption policy initialized: policy=%s enabled=%s", name, self._stats.enabled
+        )
+        self._emit("initialized")
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: object,
+        vllm_config: object | None = None,
+        *,
+        evidence: EvidenceSink | None = None,
+    ) -> PolicyController:
+        return cls(load_policy(spec, vllm_config), evidence=evidence)
+
+    @property
+    def stats(self) -> PreemptionPolicyStats:
+        return self._stats
+
+    @property
+    def enabled(self) -> bool:
+        return self._stats.enabled
+
+    @property
+    def wants_facts(self) -> bool:
+        """True when the policy takes host facts; only then should a host compute them."""
+        if self._select_with_facts is None:
+            return False
+        return bool(getattr(self._policy, "wants_host_facts", True))
+
+    def select_victim(
+        self, context: PreemptionContext, facts: PreemptionContextFacts | None = None
+    ) -> str:
+        """Return the id to preempt; never raises except for the thread guard and no candidates."""
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(_WRONG_THREAD)
+        policy = self._policy
+        if policy is None:
+            return builtin_victim_id(context)
+        stats = self._stats
+        stats.calls += 1
+        try:
+            if facts is not None and self._select_with_facts is not None:
+                result = self._select_with_facts(context, facts)
+            else:
+                result = policy.select_victim(context)
+        except Exception:
+            logger.exception("Preemption policy %s raised", stats.policy_name)
+            self._disable("raised an exception")
+            return builtin_victim_id(context)
+        if stats.calls == 1:
+            self._emit("effective")
+        if result is None:
+            stats.abstentions += 1
+            return builtin_victim_id(context)
+        if type(result) is str:
+            for candidate in context.candidates:
+                if candidate.request_id == result:
+                    stats.selections += 1
+                    return candidate.request_id
+        stats.invalid_selections += 1
+        self._disable(f"returned unknown request ID {_safe_repr(result)}")
+        return builtin_victim_id(context)
+
+    def export_stats(self) -> dict[str, object]:
+        s = self._stats
+        return {
+            "policy_name": s.policy_name,
+            "enabled": s.enabled,
+            "calls": s.calls,
+            "selections": s.selections,
+            "abstentions": s.abstentions,
+            "failures": s.failures,
+            "invalid_selections": s.invalid_selections,
+        }
+
+    def emit_effective(self) -> None:
+        """Record an ``effective`` evidence event with the current counters."""
+        self._emit("effective")
+
+    def _disable(self, reason: str) -> None:
+        stats = self._stats
+        stats.failures += 1
+        stats.enabled = False
+        self._policy = None
+        self._select_with_facts = None
+        logger.error(
+            "Preemption policy %s failed (%s); disabling it and restoring the built-in "
+            "policy for this engine process",
+            stats.policy_name,
+            reason,
+        )
+        self._emit("disabled")
+
+    def _emit(self, event: str) -> None:
+        sink = self._evidence
+        if sink is None:
+            return
+        try:
+            sink(event, self.export_stats())
+        except Exception:  # evidence must never change a decision
+            logger.debug("evidence sink failed for %s", event, exc_info=True)
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        return repr(value)
+    except Exception:
+        return f"<unrepresentable {type(value).__name__}>"
+

@@ -1,0 +1,117 @@
+"""``BidkvPreemptionPolicy``: the ``vllm.preemption-policy.v1`` implementation.
+
+Load it on a vLLM-HUST host with ``--preemption-policy
+bidkv_ext.selector.BidkvPreemptionPolicy`` (the manifest's component renders exactly that),
+or on stock vLLM through :mod:`bidkv_ext.hosts.vllm`. The host calls
+:meth:`BidkvPreemptionPolicy.from_vllm_config`; the configuration comes from
+``BIDKV_UTILITY_*`` variables and ``additional_config["bidkv"]`` (see :mod:`bidkv_ext.config`).
+
+Per decision: the kill switch / disabled check, the liveness guard, then the configured
+strategy. Inactive policies abstain (the host uses its built-in victim), so installing and
+loading the bundle changes nothing until it is enabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from bidkv_ext.config import BidKVConfig
+from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
+from bidkv_ext.controller import builtin_victim_id
+from bidkv_ext.guards import LivenessGuard
+from bidkv_ext.strategies import StrategyRegistry, VictimStrategy, default_registry
+
+__all__ = ["BidkvPreemptionPolicy"]
+
+logger = logging.getLogger("bidkv_ext.selector")
+
+
+class BidkvPreemptionPolicy:
+    """Victim selection by utility U = r / (delta + epsilon), with a per-epoch liveness bound."""
+
+    vllm_preemption_policy_api_version = 1
+
+    __slots__ = ("_active", "_guard", "_strategy", "barrier_decisions", "config", "registry")
+
+    def __init__(
+        self,
+        config: BidKVConfig | None = None,
+        *,
+        registry: StrategyRegistry | None = None,
+    ) -> None:
+        self.config = config if config is not None else BidKVConfig.from_sources(None, os.environ)
+        self.registry = registry if registry is not None else default_registry(self.config)
+        self._strategy: VictimStrategy = self.registry.get(self.config.strategy)
+        self._guard = LivenessGuard(self.config.liveness_preemptions)
+        self._active = self.config.is_active
+        self.barrier_decisions = 0
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: object) -> BidkvPreemptionPolicy:
+        """The host's preferred constructor: ``additional_config`` over env over defaults."""
+        additional = getattr(vllm_config, "additional_config", None)
+        if additional is not None and not isinstance(additional, Mapping):
+            additional = None
+        return cls(
+            BidKVConfig.from_sources(additional, os.environ, **_engine_facts(vllm_config))
+        )
+
+    @property
+    def strategy(self) -> VictimStrategy:
+        return self._strategy
+
+    @property
+    def liveness(self) -> LivenessGuard:
+        return self._guard
+
+    @property
+    def wants_host_facts(self) -> bool:
+        """Whether a host should compute :class:`PreemptionContextFacts` for this policy."""
+        return self._active and bool(getattr(self._strategy, "uses_facts", False))
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        return self.select_victim_with_facts(context, None)
+
+    def select_victim_with_facts(
+        self, context: PreemptionContext, facts: PreemptionContextFacts | None
+    ) -> str | None:
+        """Like :meth:`select_victim`, using optional host facts (absent on vLLM-HUST)."""
+        if not self._active:
+            return None
+        candidates = context.candidates
+        verdict = self._guard.filter(candidates)
+        if verdict.barrier:
+            self._barrier(context)
+            return None
+        choice = self._strategy.choose(verdict.eligible, context, facts)
+        if choice is None:
+            return None
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "bidkv victim=%s requester=%s", choice.request_id, context.requesting_request_id
+            )
+        return choice.request_id
+
+    def _barrier(self, context: PreemptionContext) -> None:
+        # Every candidate spent its budget in this epoch: one built-in decision, new epoch.
+        self.barrier_decisions += 1
+        self._guard.start_epoch(context.candidates, builtin_victim_id(context))
+
+
+def _engine_facts(vllm_config: object) -> dict[str, Any]:
+    """Block size and prefix caching, read from the engine config when it is a real one.
+
+    They describe the engine rather than the policy, so they override any configured value.
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    facts: dict[str, Any] = {}
+    block_size = getattr(cache, "block_size", None)
+    if isinstance(block_size, int) and block_size > 0:
+        facts["block_size"] = block_size
+    prefix = getattr(cache, "enable_prefix_caching", None)
+    if isinstance(prefix, bool):
+        facts["prefix_caching"] = prefix
+    return facts

@@ -1,0 +1,249 @@
+"""The ``bidkv`` strategy: U = r / (delta + epsilon), maximised over the candidates.
+
+``r`` is the KV a preemption frees *that the requester can use*, and ``delta`` estimates the
+disruption it causes. Unlike the reference (r = computed tokens, delta in [1, 1.8], which
+ranks almost exactly like largest-first), both terms here are in the units that matter:
+
+- ``r = min(blocks freed, blocks needed)``: blocks beyond the shortfall buy nothing now and
+  are recompute later. Blocks freed are the host's exclusive-block count when it supplies
+  facts, else ``ceil(num_computed_tokens / block_size)``. The shortfall is the host's
+  ``needed_blocks``, else one block for a decoding requester and a prefill chunk otherwise.
+- ``delta = (base_cost + recompute_weight * lost) * (1 + preempt_weight * P)
+  * (1 + completion_weight * H / (H + remaining)) * (1 + first_token_weight * [no output])``
+
+  ``lost`` is the prefill the victim must redo when it returns: all its computed tokens
+  without prefix caching; with prefix caching only what will not come back as cache hits
+  (the partial last block, plus the share ``1 - cache_survival`` of its full blocks, or the
+  host's exact count of hashed exclusive blocks). ``remaining`` (``max_tokens -
+  num_output_tokens``) protects nearly finished requests, which free their KV soon anyway;
+  ``P`` (prior preemptions) protects requests that were already disrupted.
+
+Ties go to the host's built-in victim, then to the newest request. Under the ``priority``
+scheduling policy only the least urgent priority class is eligible, so the policy never
+overrides the operator's priorities.
+
+Cascade guard: if the requester's own U times ``cascade_gain_ratio`` reaches the best U, the
+requester is chosen: preempting it ends the allocation loop at once, while any other
+victim may be followed by more.
+
+Decision cost: without host facts, a C-level ``min`` finds the least-lost candidate first;
+its exact U bounds which others can still win (``delta`` is at least ``base_cost +
+recompute_weight * k * computed``), and only those (usually a handful) are scored in
+Python. The result is identical to scoring everyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
+
+from bidkv_ext.contract import (
+    CandidateFacts,
+    PreemptionCandidate,
+    PreemptionContext,
+    PreemptionContextFacts,
+)
+from bidkv_ext.strategies.base import Candidates
+
+__all__ = ["UtilityParams", "UtilityStrategy"]
+
+_computed = attrgetter("num_computed_tokens")
+_priority = attrgetter("priority")
+_request_id = attrgetter("request_id")
+# Below this many candidates the bound-and-prune pass costs more than it saves.
+_PRUNE_FROM = 48
+
+
+@dataclass(frozen=True, slots=True)
+class UtilityParams:
+    """The numbers the score uses; built once from :class:`~bidkv_ext.config.BidKVConfig`."""
+
+    block_size: int = 16
+    prefix_caching: bool = True
+    base_cost: float = 64.0
+    recompute_weight: float = 1.0
+    completion_weight: float = 1.0
+    completion_horizon: float = 32.0
+    preempt_weight: float = 1.0
+    first_token_weight: float = 0.0
+    cache_survival: float = 0.9
+    epsilon: float = 1e-3
+    default_max_tokens: int = 1024
+    cascade_gain_ratio: float = 1.25
+    prefill_chunk_tokens: int = 2048
+    use_host_facts: bool = True
+
+    @classmethod
+    def from_config(cls, config: object | None) -> UtilityParams:
+        if config is None:
+            return cls()
+        names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
+        return cls(**{name: getattr(config, name) for name in names})
+
+
+class UtilityStrategy:
+    """``bidkv``: the candidate with the highest U = r / (delta + epsilon)."""
+
+    __slots__ = ("_lost_slope", "params")
+
+    name = "bidkv"
+
+    def __init__(self, params: UtilityParams | None = None) -> None:
+        self.params = params or UtilityParams()
+        p = self.params
+        # Lower bound of lost tokens per computed token, used to prune (see module doc).
+        self._lost_slope = p.recompute_weight * (
+            (1.0 - p.cache_survival) if p.prefix_caching else 1.0
+        )
+
+    @property
+    def uses_facts(self) -> bool:
+        return self.params.use_host_facts
+
+    def choose(
+        self,
+        candidates: Candidates,
+        context: PreemptionContext,
+        facts: PreemptionContextFacts | None,
+    ) -> PreemptionCandidate | None:
+        if not candidates:
+            return None
+        if context.scheduling_policy == "priority":
+            candidates = _least_urgent(candidates)
+        if facts is not None and not self.params.use_host_facts:
+            facts = None
+        need = self._needed_blocks(candidates, context, facts)
+        window = candidates
+        if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
+            window = self._prune(candidates, need)
+        best = self._argmax(window, context, facts, need)
+        if best is None:
+            return None
+        return self._cascade_guard(best, candidates, context, facts, need)
+
+    # -- scoring -----------------------------------------------------------------------
+
+    def utility(
+        self,
+        candidate: PreemptionCandidate,
+        need: int,
+        facts: PreemptionContextFacts | None = None,
+    ) -> float:
+        """U for one candidate (the reference implementation of the inner loop below)."""
+        p = self.params
+        bs = p.block_size
+        comp = candidate.num_computed_tokens
+        fact: CandidateFacts | None = facts.facts.get(candidate.request_id) if facts else None
+        lost: float
+        if fact is not None:
+            freed = fact.exclusive_blocks
+            if p.prefix_caching:
+                # Shared blocks stay held by their other users: certain hits on return.
+                # Exclusive hashed blocks wait in the evictable queue: likely hits.
+                shared = fact.total_blocks - fact.exclusive_blocks
+                kept = shared + p.cache_survival * fact.cached_blocks
+                lost = max(comp - bs * kept, comp % bs)
+            else:
+                lost = comp
+        else:
+            freed = -(-comp // bs)
+            lost = comp - p.cache_survival * (comp - comp % bs) if p.prefix_caching else comp
+        if freed <= 0:
+            return 0.0
+        useful = freed if freed < need else need
+        cap = candidate.max_tokens if candidate.max_tokens > 0 else p.default_max_tokens
+        left = max(cap - candidate.num_output_tokens, 0)
+        horizon = p.completion_horizon
+        delta = (
+            (p.base_cost + p.recompute_weight * lost)
+            * (1.0 + p.preempt_weight * candidate.num_preemptions)
+            * (1.0 + p.completion_weight * horizon / (horizon + left))
+            * (1.0 + (p.first_token_weight if candidate.num_output_tokens == 0 else 0.0))
+        )
+        return useful / (delta + p.epsilon)
+
+    def _argmax(
+        self,
+        window: Candidates,
+        context: PreemptionContext,
+        facts: PreemptionContextFacts | None,
+        need: int,
+    ) -> PreemptionCandidate | None:
+        # Walk newest-first with a strict '>' so ties keep the newest; the built-in victim
+        # is scored first so that it wins any tie.
+        utility = self.utility
+        builtin = _find(window, context.builtin_victim_id)
+        best = builtin
+        best_u = utility(builtin, need, facts) if builtin is not None else 0.0
+        for candidate in reversed(window):
+            u = utility(candidate, need, facts)
+            if u > best_u:
+                best, best_u = candidate, u
+        if best_u <= 0.0:
+            return None  # nobody frees anything: let the host decide
+        return best
+
+    def _prune(self, candidates: Candidates, need: int) -> Candidates:
+        p = self.params
+        anchor = min(candidates, key=_computed)
+        u0 = self.utility(anchor, need)
+        if u0 <= 0.0:
+            return candidates
+        # U_i <= need / (base + slope * computed_i): keep only those that can reach u0.
+        limit = (need / u0 - p.epsilon - p.base_cost) / self._lost_slope
+        window = tuple(compress(candidates, map(limit.__ge__, map(_computed, candidates))))
+        return window or (anchor,)
+
+    def _cascade_guard(
+        self,
+        best: PreemptionCandidate,
+        candidates: Candidates,
+        context: PreemptionContext,
+        facts: PreemptionContextFacts | None,
+        need: int,
+    ) -> PreemptionCandidate:
+        ratio = self.params.cascade_gain_ratio
+        if ratio <= 1.0 or best.request_id == context.requesting_request_id:
+            return best
+        requester = _find(candidates, context.requesting_request_id)
+        if requester is None:
+            return best
+        if self.utility(requester, need, facts) * ratio >= self.utility(best, need, facts):
+            return requester
+        return best
+
+    def _needed_blocks(
+        self,
+        candidates: Candidates,
+        context: PreemptionContext,
+        facts: PreemptionContextFacts | None,
+    ) -> int:
+        if facts is not None and facts.needed_blocks > 0:
+            return facts.needed_blocks
+        bs = self.params.block_size
+        requester = _find(candidates, context.requesting_request_id)
+        if requester is None:
+            return 1
+        total = requester.num_prompt_tokens + requester.num_output_tokens
+        pending = total - requester.num_computed_tokens
+        if pending <= 1:
+            return 1  # decoding: at most one new block per step
+        return max(1, -(-min(pending, self.params.prefill_chunk_tokens) // bs))
+
+
+def _find(candidates: Candidates, request_id: str | None) -> PreemptionCandidate | None:
+    if request_id is None:
+        return None
+    # A C-level scan: a Python loop over 1024 candidates costs more than the whole decision.
+    try:
+        return candidates[[*map(_request_id, candidates)].index(request_id)]
+    except ValueError:
+        return None
+
+
+def _least_urgent(candidates: Candidates) -> Candidates:
+    worst = max(map(_priority, candidates))
+    if min(map(_priority, candidates)) == worst:
+        return candidates
+    return tuple(c for c in candidates if c.priority == worst)
