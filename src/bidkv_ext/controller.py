@@ -15,6 +15,7 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
+from operator import attrgetter, indexOf
 from typing import Any, Protocol
 
 from bidkv_ext.contract import (
@@ -34,6 +35,7 @@ __all__ = [
 
 logger = logging.getLogger("bidkv_ext.controller")
 
+_request_id = attrgetter("request_id")
 _NOT_A_POLICY = "preemption_policy must resolve to an object implementing PreemptionPolicy"
 _WRONG_THREAD = "PreemptionPolicyController must be used by its scheduler thread"
 
@@ -51,12 +53,20 @@ def builtin_victim_id(context: PreemptionContext) -> str:
         raise ValueError("cannot select a preemption victim from an empty set")
     hinted = context.builtin_victim_id
     if hinted is not None:
-        for candidate in candidates:
-            if candidate.request_id == hinted:
-                return candidate.request_id
+        index = _index_of(candidates, hinted)
+        if index >= 0:
+            return candidates[index].request_id
     if context.scheduling_policy == "priority":
         return max(candidates, key=lambda c: (c.priority, c.arrival_time)).request_id
     return candidates[-1].request_id
+
+
+def _index_of(candidates: tuple[Any, ...], request_id: str) -> int:
+    """Position of ``request_id`` among the candidates, or -1; a C-level scan, no allocation."""
+    try:
+        return indexOf(map(_request_id, candidates), request_id)
+    except ValueError:
+        return -1
 
 
 def policy_name_of(policy: object) -> str:
@@ -170,10 +180,10 @@ class PolicyController:
             stats.abstentions += 1
             return builtin_victim_id(context)
         if type(result) is str:
-            for candidate in context.candidates:
-                if candidate.request_id == result:
-                    stats.selections += 1
-                    return candidate.request_id
+            index = _index_of(context.candidates, result)
+            if index >= 0:
+                stats.selections += 1
+                return context.candidates[index].request_id
         stats.invalid_selections += 1
         self._disable(f"returned unknown request ID {_safe_repr(result)}")
         return builtin_victim_id(context)

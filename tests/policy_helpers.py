@@ -1,0 +1,35 @@
+"""Small builders shared by the policy-level tests (no vLLM needed)."""
+
+from __future__ import annotations
+
+from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+
+
+def cand(
+    rid: str,
+    *,
+    computed: int = 100,
+    prompt: int = 100,
+    output: int = 0,
+    preemptions: int = 0,
+    priority: int = 0,
+    arrival: float = 0.0,
+    max_tokens: int = 1024,
+) -> PreemptionCandidate:
+    return PreemptionCandidate(
+        rid, priority, arrival, prompt, output, computed, preemptions, max_tokens
+    )
+
+
+def ctx(
+    candidates: list[PreemptionCandidate] | tuple[PreemptionCandidate, ...],
+    *,
+    requester: str | None = None,
+    policy: str = "fcfs",
+    builtin: str | None = None,
+    usage: float = 0.95,
+    now: float = 1.0,
+) -> PreemptionContext:
+    cands = tuple(candidates)
+    req = requester if requester is not None else cands[-1].request_id
+    return PreemptionContext(cands, policy, req, usage, now, builtin)  # type: ignore[arg-type]

@@ -1,0 +1,97 @@
+"""BidKVConfig: inert by default, kill switch wins, precedence, one-line errors naming the source."""
+
+from __future__ import annotations
+
+import pytest
+
+from bidkv_ext import BidKVConfig, BidkvPreemptionPolicy, ConfigError
+from tests.policy_helpers import cand, ctx
+
+
+def test_defaults_are_inert_and_kill_switch_wins() -> None:
+    assert not BidKVConfig().is_active
+    assert BidKVConfig(enabled=True).is_active
+    assert not BidKVConfig(enabled=True, kill_switch=True).is_active
+    context = ctx([cand("a", computed=10), cand("b", computed=900)])
+    assert BidkvPreemptionPolicy(BidKVConfig()).select_victim(context) is None
+    killed = BidkvPreemptionPolicy(BidKVConfig(enabled=True, kill_switch=True))
+    assert killed.select_victim(context) is None
+    assert BidkvPreemptionPolicy(BidKVConfig(enabled=True)).select_victim(context) is not None
+
+
+def test_environment_then_additional_config_precedence() -> None:
+    env = {"BIDKV_UTILITY_ENABLE": "1", "BIDKV_UTILITY_STRATEGY": "lifo",
+           "BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "4"}
+    from_env = BidKVConfig.from_sources(None, env)
+    assert (from_env.is_active, from_env.strategy, from_env.liveness_preemptions) == (
+        True, "lifo", 4)
+    both = BidKVConfig.from_sources(
+        {"bidkv": {"strategy": "bidkv"}, "preemption_policy": "x.Y",
+         "_manager_runtime_qualification": {"status": "passed"}}, env)
+    assert both.strategy == "bidkv" and both.liveness_preemptions == 4
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"BIDKV_UTILITY_ENABLE": "maybe"}, "BIDKV_UTILITY_ENABLE='maybe' is invalid"),
+        ({"BIDKV_UTILITY_KILL_SWITCH": "2"}, "BIDKV_UTILITY_KILL_SWITCH='2' is invalid"),
+        ({"BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "x"}, "BIDKV_UTILITY_LIVENESS_PREEMPTIONS='x'"),
+        ({"BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "-1"}, "greater than or equal to 0"),
+        ({"BIDKV_UTILITY_CASCADE_GAIN_RATIO": "0.5"}, "BIDKV_UTILITY_CASCADE_GAIN_RATIO='0.5'"),
+        ({"BIDKV_UTILITY_CASCADE_GAIN_RATIO": "abc"}, "valid number"),
+        ({"BIDKV_UTILITY_PREEMPT_WEIGHT": "-0.1"}, "BIDKV_UTILITY_PREEMPT_WEIGHT"),
+        ({"BIDKV_UTILITY_STRATEGY": "pe"}, "unknown strategy; accepted: bidkv, builtin"),
+        ({"BIDKV_UTILITY_KV_GATE": "0.9"}, "BIDKV_UTILITY_KV_GATE is not a BidKV setting"),
+    ],
+)
+def test_invalid_environment_fails_with_one_line(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        BidKVConfig.from_sources(None, env)
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_invalid_additional_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"additional_config\['bidkv'\]\['seed'\]='x'"):
+        BidKVConfig.from_sources({"bidkv": {"seed": "x"}}, {})
+    with pytest.raises(ConfigError, match=r"additional_config\['bidkv'\]\['nope'\] is not"):
+        BidKVConfig.from_sources({"bidkv": {"nope": 1}}, {})
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        BidKVConfig.from_sources({"bidkv": [1]}, {})
+
+
+def test_string_false_means_false() -> None:
+    """The reference parsed additional_config booleans with bool(), so "false" meant True."""
+    assert not BidKVConfig.from_sources({"bidkv": {"enabled": "false"}}, {}).enabled
+    assert BidKVConfig.from_sources({"bidkv": {"enabled": True}}, {}).enabled
+
+
+def test_from_vllm_config_reads_additional_config_env_and_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Cache:
+        block_size = 32
+        enable_prefix_caching = False
+
+    class Vllm:
+        additional_config = {"bidkv": {"strategy": "largest-first"}}
+        cache_config = Cache()
+
+    monkeypatch.setenv("BIDKV_UTILITY_ENABLE", "1")
+    policy = BidkvPreemptionPolicy.from_vllm_config(Vllm())
+    assert policy.config.is_active
+    assert policy.config.strategy == "largest-first"
+    assert (policy.config.block_size, policy.config.prefix_caching) == (32, False)
+    monkeypatch.setenv("BIDKV_UTILITY_CASCADE_GAIN_RATIO", "0")
+    with pytest.raises(ValueError, match="BIDKV_UTILITY_CASCADE_GAIN_RATIO"):
+        BidkvPreemptionPolicy.from_vllm_config(Vllm())
+
+
+def test_no_argument_constructor_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BIDKV_UTILITY_ENABLE", "1")
+    monkeypatch.setenv("BIDKV_UTILITY_STRATEGY", "static-random")
+    policy = BidkvPreemptionPolicy()
+    assert policy.config.is_active and policy.strategy.name == "static-random"

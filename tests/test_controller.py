@@ -1,0 +1,212 @@
+"""PolicyController follows the host's per-call rules, counters, permanent fallback and loading.
+
+Mirrors the conformance checklist of preemption-contract.md section 13, items 1-8 and 13.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from bidkv_ext.contract import PreemptionContext
+from bidkv_ext.controller import PolicyController, builtin_victim_id, load_policy
+from tests.policy_helpers import cand, ctx
+
+KEYS = ["policy_name", "enabled", "calls", "selections", "abstentions", "failures",
+        "invalid_selections"]
+
+
+class Fixed:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def select_victim(self, context: PreemptionContext) -> Any:
+        self.calls += 1
+        return self.answer
+
+
+class Boom:
+    calls = 0
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        Boom.calls += 1
+        raise RuntimeError("boom")
+
+
+def three() -> PreemptionContext:
+    return ctx([cand("a", arrival=1.0), cand("b", arrival=2.0), cand("c", arrival=3.0)],
+               requester="b")
+
+
+def test_builtin_rule() -> None:
+    c = three()
+    assert builtin_victim_id(c) == "c"
+    prio = ctx([cand("a", priority=5, arrival=1), cand("b", priority=5, arrival=2),
+                cand("c", priority=1, arrival=3)], policy="priority")
+    assert builtin_victim_id(prio) == "b"
+    hinted = ctx(list(c.candidates), builtin="a")
+    assert builtin_victim_id(hinted) == "a"
+    stale = ctx(list(c.candidates), builtin="zzz")
+    assert builtin_victim_id(stale) == "c"
+    with pytest.raises(ValueError, match="cannot select a preemption victim from an empty set"):
+        builtin_victim_id(PreemptionContext((), "fcfs", "x", 0.0, 0.0))
+
+
+def test_no_policy_uses_builtin_and_counts_nothing() -> None:
+    controller = PolicyController(None)
+    assert controller.select_victim(three()) == "c"
+    stats = controller.export_stats()
+    assert list(stats) == KEYS
+    assert stats == {"policy_name": "builtin", "enabled": False, "calls": 0, "selections": 0,
+                     "abstentions": 0, "failures": 0, "invalid_selections": 0}
+
+
+def test_selection_and_abstention_counters() -> None:
+    controller = PolicyController(Fixed("a"))
+    assert controller.select_victim(three()) == "a"
+    abstain = PolicyController(Fixed(None))
+    assert abstain.select_victim(three()) == "c"
+    assert abstain.select_victim(three()) == "c"
+    s = controller.export_stats()
+    assert (s["calls"], s["selections"], s["abstentions"], s["enabled"]) == (1, 1, 0, True)
+    a = abstain.export_stats()
+    assert (a["calls"], a["selections"], a["abstentions"], a["enabled"]) == (2, 0, 2, True)
+    assert s["policy_name"] == f"{Fixed.__module__}.{Fixed.__qualname__}"
+
+
+@pytest.mark.parametrize("answer", ["zzz", 7, ["a"], {"a": 1}, b"a", None.__class__])
+def test_invalid_answer_disables_for_good(answer: object, caplog: pytest.LogCaptureFixture) -> None:
+    policy = Fixed(answer)
+    controller = PolicyController(policy)
+    with caplog.at_level(logging.ERROR, logger="bidkv_ext.controller"):
+        assert controller.select_victim(three()) == "c"
+        assert controller.select_victim(three()) == "c"
+    assert policy.calls == 1
+    s = controller.export_stats()
+    assert (s["calls"], s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, 1, False)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "returned unknown request ID" in errors[0].getMessage()
+    assert "restoring the built-in policy for this engine process" in errors[0].getMessage()
+
+
+def test_returns_the_candidates_own_id_object() -> None:
+    c = three()
+    equal_but_distinct = "".join(["a"])
+    chosen = PolicyController(Fixed(equal_but_distinct)).select_victim(c)
+    assert chosen is c.candidates[0].request_id
+
+
+def test_exception_disables_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    Boom.calls = 0
+    controller = PolicyController(Boom())
+    with caplog.at_level(logging.ERROR, logger="bidkv_ext.controller"):
+        for _ in range(3):
+            assert controller.select_victim(three()) == "c"
+    assert Boom.calls == 1
+    s = controller.export_stats()
+    assert (s["calls"], s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, 0, False)
+    disabling = [r for r in caplog.records if "disabling it" in r.getMessage()]
+    assert len(disabling) == 1 and "raised an exception" in disabling[0].getMessage()
+
+
+def test_wrong_thread_raises_and_counts_nothing() -> None:
+    controller = PolicyController(Fixed("a"))
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            controller.select_victim(three())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert str(errors[0]) == "PreemptionPolicyController must be used by its scheduler thread"
+    assert controller.export_stats()["calls"] == 0
+    none = PolicyController(None)
+    t = threading.Thread(target=other)
+    controller = none
+    t.start()
+    t.join()
+    assert len(errors) == 2
+
+
+def test_evidence_sink_failure_never_changes_the_victim() -> None:
+    events: list[str] = []
+
+    def sink(event: str, stats: dict[str, object]) -> None:
+        events.append(event)
+        raise OSError("disk full")
+
+    controller = PolicyController(Fixed("a"), evidence=sink)
+    assert controller.select_victim(three()) == "a"
+    assert events == ["initialized", "effective"]
+    bad = PolicyController(Fixed("zzz"), evidence=sink)
+    assert bad.select_victim(three()) == "c"
+    assert events[-1] == "disabled"
+
+
+class WithFactory:
+    seen: object = None
+
+    def __init__(self, tag: str = "plain") -> None:
+        self.tag = tag
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: object) -> WithFactory:
+        cls.seen = vllm_config
+        return cls("factory")
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        return None
+
+
+class NoArgs:
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        return None
+
+
+class Failing:
+    def __init__(self) -> None:
+        raise ValueError("utility_completion_weight must be non-negative")
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        return None
+
+
+def test_loading_rules() -> None:
+    assert load_policy(None) is None
+    sentinel = object()
+    made = load_policy(WithFactory, sentinel)
+    assert isinstance(made, WithFactory) and made.tag == "factory" and WithFactory.seen is sentinel
+    by_path = load_policy(f"{__name__}.WithFactory", sentinel)
+    assert isinstance(by_path, WithFactory) and by_path.tag == "factory"
+    assert isinstance(load_policy(NoArgs), NoArgs)
+    instance = NoArgs()
+    assert load_policy(instance) is instance
+    with pytest.raises(TypeError, match="^preemption_policy must resolve to an object implementing"
+                       " PreemptionPolicy$"):
+        load_policy(object())
+    with pytest.raises(ValueError, match="utility_completion_weight"):
+        load_policy(Failing)
+    with pytest.raises(ModuleNotFoundError):
+        load_policy("no_such_module_xyz.Policy")
+    controller = PolicyController.from_spec(f"{__name__}.NoArgs")
+    assert controller.export_stats()["policy_name"] == f"{__name__}.NoArgs"
+    assert controller.enabled
+
+
+def test_init_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="bidkv_ext.controller"):
+        PolicyController(NoArgs())
+        PolicyController(None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"Preemption policy initialized: policy={__name__}.NoArgs enabled=True" in lines
+    assert "Preemption policy initialized: policy=builtin enabled=False" in lines

@@ -1,0 +1,107 @@
+"""Guards: the liveness bound holds per epoch, state is bounded, the cascade guard and
+priority classes behave as documented; ties go to the built-in victim."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from bidkv_ext.config import BidKVConfig
+from bidkv_ext.contract import PreemptionCandidate
+from bidkv_ext.controller import PolicyController
+from bidkv_ext.selector import BidkvPreemptionPolicy
+from tests.policy_helpers import cand, ctx
+
+
+def replay_decisions(threshold: int, rounds: int) -> list[tuple[int, str]]:
+    """Drive the controller like a host: each victim's num_preemptions grows by one."""
+    policy = BidkvPreemptionPolicy(
+        BidKVConfig(enabled=True, strategy="largest-first", liveness_preemptions=threshold)
+    )
+    controller = PolicyController(policy)
+    cands = {rid: cand(rid, computed=size) for rid, size in
+             [("A", 5000), ("B", 3000), ("C", 1000), ("D", 500)]}
+    history: list[tuple[int, str]] = []
+    for _ in range(rounds):
+        epoch = policy.liveness.epochs
+        victim = controller.select_victim(ctx(list(cands.values()), requester="D"))
+        history.append((epoch, victim))
+        c = cands[victim]
+        cands[victim] = dataclasses.replace(c, num_preemptions=c.num_preemptions + 1)
+    assert controller.export_stats()["failures"] == 0
+    return history
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_no_request_exceeds_threshold_plus_one_per_epoch(threshold: int) -> None:
+    history = replay_decisions(threshold, 60)
+    per_epoch = Counter(history)
+    assert max(per_epoch.values()) <= threshold + 1
+    # The favourite is taken `threshold` times, then the others get their turn before any
+    # new epoch starts: nobody is untouched while one request absorbs every preemption.
+    first_epoch = [v for e, v in history if e == 0]
+    assert first_epoch[:threshold] == ["A"] * threshold
+    assert set(first_epoch) == {"A", "B", "C", "D"}
+    assert len({e for e, _ in history}) > 3
+
+
+def test_threshold_zero_disables_the_guard() -> None:
+    history = replay_decisions(0, 12)
+    assert [v for _, v in history] == ["A"] * 12
+
+
+def test_state_does_not_grow_with_departed_requests() -> None:
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=1))
+    for step in range(400):
+        # Four fresh requests each time (the old ones left), all already preempted once.
+        cands = [cand(f"r{step}-{i}", computed=100 * (i + 1), preemptions=1) for i in range(4)]
+        policy.select_victim(ctx(cands))
+        assert policy.liveness.tracked <= len(cands) + 1
+    assert policy.liveness.epochs > 0
+
+
+def test_ties_go_to_the_builtin_victim() -> None:
+    same = [cand(x, computed=320, output=5, max_tokens=1024) for x in "abc"]
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
+    assert policy.select_victim(ctx(same, requester="a", builtin="b")) == "b"
+    assert policy.select_victim(ctx(same, requester="a")) == "c"
+
+
+def test_priority_policy_only_considers_the_least_urgent_class() -> None:
+    cands = [cand("urgent", computed=16, priority=0), cand("lazy1", computed=4000, priority=3),
+             cand("lazy2", computed=2000, priority=3)]
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
+    chosen = policy.select_victim(ctx(cands, policy="priority", requester="urgent"))
+    assert chosen in {"lazy1", "lazy2"}
+
+
+def test_cascade_guard_prefers_the_requester_when_nearly_as_good() -> None:
+    # Decoding requester (needs one block): anyone freeing a block is equally useful, so U
+    # follows disruption; the requester is a close second to "small".
+    cands = [cand("small", computed=100, output=50, prompt=51),
+             cand("req", computed=110, output=50, prompt=61),
+             cand("huge", computed=9000, output=50, prompt=8951)]
+    with_guard = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.25))
+    without = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
+    assert without.select_victim(ctx(cands, requester="req")) == "small"
+    assert with_guard.select_victim(ctx(cands, requester="req")) == "req"
+
+
+def test_host_facts_change_the_estimate_of_freed_blocks() -> None:
+    from bidkv_ext.contract import CandidateFacts, PreemptionContextFacts
+
+    cands = [cand("shared", computed=1600, output=10), cand("private", computed=1700, output=10)]
+    context = ctx(cands, requester="private")
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
+    facts = PreemptionContextFacts(
+        block_size=16, needed_blocks=50,
+        facts={"shared": CandidateFacts(exclusive_blocks=0, cached_blocks=0, total_blocks=100),
+               "private": CandidateFacts(exclusive_blocks=107, cached_blocks=0,
+                                         total_blocks=107)},
+    )
+    assert policy.select_victim_with_facts(context, facts) == "private"
+    assert policy.wants_host_facts
+
+
