@@ -210,3 +210,10 @@ def test_init_log_line(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert f"Preemption policy initialized: policy={__name__}.NoArgs enabled=True" in lines
     assert "Preemption policy initialized: policy=builtin enabled=False" in lines
+
+
+def test_a_policy_instance_is_used_as_given() -> None:
+    """An instance whose class has from_vllm_config is not re-created from the engine config."""
+    instance = WithFactory("configured")
+    loaded = load_policy(instance, object())
+    assert loaded is instance and loaded.tag == "configured"

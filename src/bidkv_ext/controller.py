@@ -91,6 +91,10 @@ def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPo
     if spec is None:
         return None
     obj = _resolve_qualname(spec) if isinstance(spec, str) else spec
+    if not isinstance(obj, type) and isinstance(obj, PreemptionPolicy):
+        # A ready policy instance is used as given, even when its class also offers
+        # from_vllm_config: re-creating it would silently drop its configuration.
+        return obj
     factory = getattr(obj, "from_vllm_config", None)
     if callable(factory):
         result = factory(vllm_config)

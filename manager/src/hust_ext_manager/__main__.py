@@ -1,0 +1,7 @@
+"""``python -m hust_ext_manager`` runs the CLI."""
+
+import sys
+
+from hust_ext_manager.cli import main
+
+sys.exit(main())

@@ -1,0 +1,511 @@
+"""``vllm-hust-ext``: the command line of the compatible extension manager.
+
+Every ``ValueError``/``OSError`` becomes ``vllm-hust-ext: error: <one line>`` with exit
+code 2 (argparse's own convention); ``run`` returns the child's exit code instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hust_ext_manager import __version__, provider
+from hust_ext_manager.discovery import InstalledBundle, discover, discover_tolerant
+from hust_ext_manager.launch import (
+    ENABLED_BUNDLES_ENV,
+    NATIVE_ENVIRONMENT,
+    LaunchPlan,
+    merge_additional_config,
+    merge_flag,
+    merge_option,
+    remove_directory,
+    supervise,
+    write_native_manifests,
+)
+from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY
+from hust_ext_manager.runtime_evidence import (
+    EVIDENCE_ENVIRONMENT,
+    launch_environment,
+    runtime_effective_evidence,
+)
+from hust_ext_manager.state import ExtensionState, State, load_state, mutate_state
+
+__all__ = ["main"]
+
+_ADAPTER_SCHEDULER = "bidkv_ext.hosts.vllm.PolicyScheduler"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, always: multi-line texts would break the error contract.
+        super().error(" ".join(message.split()))
+
+
+def _dump(document: object, *, sort_keys: bool = True) -> None:
+    print(json.dumps(document, indent=2, sort_keys=sort_keys))
+
+
+# --- inspect ------------------------------------------------------------------------
+
+
+def inspect_document(bundle: InstalledBundle, enabled: bool) -> dict[str, Any]:
+    m = bundle.manifest
+    return {
+        "bundle_id": m.extension_id,
+        "bundle_version": m.extension_version,
+        "distribution": bundle.distribution,
+        "distribution_version": bundle.distribution_version,
+        "enabled": enabled,
+        "kind": m.kind,
+        "host": m.host.model_dump(),
+        "runtime": m.runtime.model_dump(),
+        "lifecycle_owner": m.lifecycle_owner,
+        "protocols": [p.model_dump() for p in m.protocols],
+        "implementation": [{"type": c.type, **dict(c.attributes)} for c in m.implementation],
+        "requires_services": [s.model_dump() for s in m.requires_services],
+        "requires_extensions": [],
+        "resource_claims": [],
+        "activation_ready": m.activation_blocker is None,
+        "activation_blocker": m.activation_blocker,
+        "experimental": m.experimental,
+        "components": [
+            {
+                **c.model_dump(),
+                "contracts": list(c.contracts),
+                "execution_planes": list(c.execution_planes),
+                "permissions": list(c.permissions),
+            }
+            for c in m.components
+        ],
+        "activation": {
+            "entry_points": [e.model_dump() for e in m.activation.entry_points],
+            "environment": [list(pair) for pair in m.activation.environment],
+            "additional_config": [list(pair) for pair in m.activation.additional_config],
+        },
+        "manifest_path": str(bundle.manifest_path),
+    }
+
+
+def _one(bundle_id: str) -> InstalledBundle:
+    return discover([bundle_id])[0]
+
+
+# --- status -------------------------------------------------------------------------
+
+
+def _require_vllm_provider(bundle: InstalledBundle) -> None:
+    # Only the vLLM Host Provider is implemented (manager-protocol.md section 2).
+    name = bundle.manifest.host.provider
+    if name != "vllm":
+        raise ValueError(f"no Host Provider named {name!r} is installed for {bundle.bundle_id!r}")
+
+
+def assess(bundle: InstalledBundle, state: State) -> dict[str, Any]:
+    """Status states and evidence, plus what ``run`` needs to decide on refusals."""
+    manifest = bundle.manifest
+    _require_vllm_provider(bundle)
+    configuration = state.configuration(bundle.bundle_id)
+    states = ["installed", "discovered"]
+    result: dict[str, Any] = {"unhealthy": [], "failed_checks": [], "compatible": None}
+    try:
+        checked = provider.check(manifest, configuration)
+    except ValueError as error:
+        result.update(states=[*states, "incompatible"], evidence=[str(error)], compatible=False)
+        return result
+    evidence = list(checked.evidence)
+    degraded = checked.degraded
+    if checked.compatible is True:
+        states.append("compatible")
+    elif checked.compatible is False:
+        states.append("incompatible")
+    if checked.configured:
+        states.append("configured")
+    if state.is_enabled(bundle.bundle_id):
+        states.append("enabled")
+    if manifest.requires_services:
+        reachable, healthy, lines, unhealthy = provider.service_health(manifest, configuration)
+        evidence.extend(lines)
+        states.extend(s for s, ok in (("reachable", reachable), ("healthy", healthy)) if ok)
+        degraded = degraded or not (reachable and healthy)
+        result["unhealthy"] = unhealthy
+    for ok, line in provider.bundle_checks(bundle.bundle_id, bundle.raw, configuration):
+        evidence.append(line)
+        if not ok:
+            degraded = True
+            result["failed_checks"].append(line)
+    if degraded:
+        states.append("degraded")
+    entry_points = {(e.group, e.name) for e in manifest.activation.entry_points}
+    live = runtime_effective_evidence(bundle.bundle_id, entry_points)
+    if live is not None:
+        states.append("runtime_effective")
+        evidence.append(live)
+    result.update(states=states, evidence=evidence, compatible=checked.compatible)
+    return result
+
+
+def _status(bundle_id: str) -> None:
+    bundle = _one(bundle_id)
+    assessed = assess(bundle, load_state())
+    _dump(
+        {
+            "extension_id": bundle_id,
+            "provider": bundle.manifest.host.provider,
+            "states": assessed["states"],
+            "evidence": assessed["evidence"],
+        },
+        sort_keys=False,
+    )
+
+
+# --- state verbs --------------------------------------------------------------------
+
+
+def _enable(bundle_id: str) -> None:
+    blocker = _one(bundle_id).manifest.activation_blocker
+    if blocker is not None:
+        raise ValueError(f"cannot enable {bundle_id!r}: {blocker}")
+
+    def change(state: State) -> State:
+        return state.with_entry(
+            bundle_id,
+            ExtensionState(enabled=True, configuration=state.configuration(bundle_id)),
+        )
+
+    mutate_state(change)
+    print(f"enabled {bundle_id}")
+
+
+def _disable(bundle_id: str) -> None:
+    def change(state: State) -> State:
+        return state.with_entry(
+            bundle_id,
+            ExtensionState(enabled=False, configuration=state.configuration(bundle_id)),
+        )
+
+    mutate_state(change)
+    print(f"disabled {bundle_id}")
+
+
+def _forget(bundle_id: str) -> None:
+    def change(state: State) -> State:
+        entry = state.entry(bundle_id)
+        if entry is None:
+            raise ValueError(f"extension {bundle_id!r} has no stored state")
+        if entry.enabled:
+            raise ValueError(f"disable {bundle_id!r} before forgetting its stored state")
+        return state.with_entry(bundle_id, None)
+
+    mutate_state(change)
+    print(f"forgot {bundle_id}")
+
+
+def _configure(bundle_id: str, file: str) -> None:
+    _one(bundle_id)
+    text = Path(file).read_text(encoding="utf-8")
+    try:
+        configuration = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"extension configuration file {file} is not valid JSON: {error}"
+        ) from error
+    if not isinstance(configuration, dict):
+        raise ValueError("extension configuration file must contain an object")
+
+    def change(state: State) -> State:
+        return state.with_entry(
+            bundle_id,
+            ExtensionState(enabled=state.is_enabled(bundle_id), configuration=configuration),
+        )
+
+    mutate_state(change)
+    print(f"configured {bundle_id}")
+
+
+# --- plans, environment, run --------------------------------------------------------
+
+
+def _plans(bundles: Sequence[InstalledBundle], state: State) -> list[dict[str, Any]]:
+    for bundle in bundles:
+        _require_vllm_provider(bundle)
+    return [
+        provider.plan(b, state.configuration(b.bundle_id), enabled=state.is_enabled(b.bundle_id))
+        for b in bundles
+    ]
+
+
+def _claim(claims: dict[str, tuple[str, Any]], key: str, owner: str, value: Any, what: str) -> None:
+    """Per-key conflict rule: two bundles conflict only on one key with different values."""
+    if key in claims and claims[key][1] != value:
+        raise ValueError(what.format(key=key, first=claims[key][0], second=owner))
+    claims.setdefault(key, (owner, value))
+
+
+def activation_environment(plans: Sequence[dict[str, Any]]) -> dict[str, str]:
+    claims: dict[str, tuple[str, Any]] = {}
+    plugins: dict[str, str] = {}
+    for plan_document in plans:
+        owner = plan_document["extension_id"]
+        generated = plan_document["generated_config"]
+        for key, value in sorted(generated.get("environment", {}).items()):
+            _claim(
+                claims, key, owner, value, "enabled Bundles disagree on environment variable {key}"
+            )
+        for name in generated.get("vllm_plugins", []):
+            if name in plugins and plugins[name] != owner:
+                raise ValueError(
+                    f"enabled Bundles {[plugins[name], owner]} both declare vLLM plugin {name!r}"
+                )
+            plugins[name] = owner
+    environment = {key: value for key, (_, value) in claims.items()}
+    if plugins:
+        names = [n for n in os.environ.get("VLLM_PLUGINS", "").split(",") if n]
+        names += [n for n in environment.get("VLLM_PLUGINS", "").split(",") if n]
+        names += ["ascend", *plugins]
+        environment["VLLM_PLUGINS"] = ",".join(dict.fromkeys(names))
+    environment[ENABLED_BUNDLES_ENV] = ",".join(p["extension_id"] for p in plans)
+    return environment
+
+
+def _command(raw: Sequence[str]) -> list[str]:
+    if not raw:
+        return ["vllm"]
+    command = list(raw[1:]) if raw[0] == "--" else list(raw)
+    if not command:
+        raise ValueError("run requires a command after --")
+    return command
+
+
+def _is_vllm_serve(command: Sequence[str]) -> bool:
+    return len(command) > 1 and os.path.basename(command[0]) == "vllm" and command[1] == "serve"
+
+
+def _refuse(bundle: InstalledBundle, state: State, command: Sequence[str]) -> None:
+    """Raise the first §6.2 refusal that applies to this enabled bundle."""
+    bundle_id, manifest = bundle.bundle_id, bundle.manifest
+    if manifest.activation_blocker is not None:
+        raise ValueError(f"refusing to launch {bundle_id!r}: {manifest.activation_blocker}")
+    assessed = assess(bundle, state)
+    evidence = "; ".join(assessed["evidence"])
+    if "incompatible" in assessed["states"]:
+        raise ValueError(f"refusing to launch incompatible extension {bundle_id!r}: {evidence}")
+    policy = provider.rendered_options(manifest).get("--preemption-policy")
+    if (
+        policy
+        and _is_vllm_serve(command)
+        and not provider.host_has_preemption_contract(manifest.host.name)
+    ):
+        adapter_config = json.dumps({"preemption_policy": policy})
+        raise ValueError(
+            f"refusing to launch {bundle_id!r}: the installed vLLM lacks the "
+            f"vllm.preemption-policy contract ({provider.CONTRACT_FILE}), so 'vllm serve' has "
+            f"no --preemption-policy flag; use the stock-vLLM adapter instead: "
+            f"--scheduler-cls {_ADAPTER_SCHEDULER} --additional-config '{adapter_config}'"
+        )
+    if assessed["failed_checks"]:
+        raise ValueError(
+            f"refusing to launch {bundle_id!r}: {'; '.join(assessed['failed_checks'])}"
+        )
+    if assessed["unhealthy"]:
+        raise ValueError(
+            f"refusing to launch {bundle_id!r}: required service health is not verified "
+            f"({', '.join(assessed['unhealthy'])}); {evidence}"
+        )
+    if (
+        RESERVED_QUALIFICATION_KEY in manifest.additional_config
+        and assessed["compatible"] is not True
+    ):
+        raise ValueError(f"refusing to launch {bundle_id!r}: {evidence}")
+    if (
+        manifest.runtime.isolation == "trusted_in_process"
+        and "compatible" not in assessed["states"]
+    ):
+        raise ValueError(
+            f"refusing to launch unverified trusted in-process extension {bundle_id!r}: {evidence}"
+        )
+
+
+def _merged_additional_config(bundles: Sequence[InstalledBundle]) -> dict[str, Any]:
+    claims: dict[str, tuple[str, Any]] = {}
+    for bundle in bundles:
+        for key, value in sorted(bundle.manifest.additional_config.items()):
+            _claim(
+                claims,
+                key,
+                bundle.bundle_id,
+                value,
+                "enabled Bundles disagree on additional_config key {key}",
+            )
+    return {key: value for key, (_, value) in claims.items()}
+
+
+def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list[str]:
+    claims: dict[str, tuple[str, Any]] = {}
+    conflict = "extensions '{first}' and '{second}' conflict on {key}"
+    for plan_document in plans:
+        owner = plan_document["extension_id"]
+        generated = plan_document["generated_config"]
+        for option, value in sorted(generated.get("vllm_json_options", {}).items()):
+            _claim(claims, option, owner, value, conflict)
+        for option, value in sorted(generated.get("vllm_options", {}).items()):
+            _claim(claims, option, owner, value, conflict)
+    for plan_document in plans:
+        generated = plan_document["generated_config"]
+        for option, value in sorted(generated.get("vllm_json_options", {}).items()):
+            command = merge_option(command, option, value, is_json=True)
+        for option, value in sorted(generated.get("vllm_options", {}).items()):
+            command = merge_option(command, option, value, is_json=False)
+        for flag in generated.get("vllm_flags", []):
+            command = merge_flag(command, flag)
+    return command
+
+
+def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[InstalledBundle]]:
+    state = load_state()
+    bundles = list(discover(state.enabled_ids()))
+    command = _command(raw_command)
+    for bundle in bundles:
+        _refuse(bundle, state, command)
+    command = merge_additional_config(command, _merged_additional_config(bundles))
+    plans = _plans(bundles, state)
+    command = _render_options(command, plans)
+    environment = activation_environment(plans)
+    native = {
+        p["extension_id"]: p["generated_config"]["native_extension_manifest"]
+        for p in plans
+        if "native_extension_manifest" in p["generated_config"]
+    }
+    if native and any(name in os.environ for name in NATIVE_ENVIRONMENT):
+        raise ValueError(
+            "vllm-hust-ext owns VLLM_EXTENSION_MANIFESTS and VLLM_EXTENSION_BUNDLES while "
+            "launching enabled vLLM extensions"
+        )
+    return LaunchPlan(tuple(command), environment, native), bundles
+
+
+def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
+    if grace < 0:
+        raise ValueError("--shutdown-grace-seconds must be >= 0")
+    launch, bundles = build_launch(raw_command)
+    if dry_run:
+        _dump(launch.dry_run_document(), sort_keys=False)
+        return 0
+    preset = sorted(name for name in EVIDENCE_ENVIRONMENT if name in os.environ)
+    if preset:
+        raise ValueError(f"vllm-hust-ext owns runtime evidence environment variables: {preset}")
+    evidence = launch_environment(
+        [(b.bundle_id, b.manifest.extension_version, str(b.manifest_path)) for b in bundles]
+    )
+    directory = None
+    try:
+        native_env: dict[str, str] = {}
+        if launch.native_manifests:
+            directory, native_env = write_native_manifests(launch.native_manifests)
+        environment = {**os.environ, **launch.environment, **evidence, **native_env}
+        return supervise(launch.command, environment, grace)
+    finally:
+        remove_directory(directory)
+
+
+# --- parser -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vllm-hust-ext", description="vLLM-HUST extension manager (compatible)")
+    parser.add_argument("--version", action="version", version=f"vllm-hust-ext {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    extension = commands.add_parser("extension", help="manage installed extension bundles")
+    verbs = extension.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="list installed bundles")
+    listing.add_argument("--json", action="store_true")
+    for verb in (
+        "inspect",
+        "validate",
+        "enable",
+        "disable",
+        "forget",
+        "status",
+        "check",
+        "plan",
+        "render",
+    ):
+        verbs.add_parser(verb).add_argument("extension_id")
+    configure = verbs.add_parser("configure")
+    configure.add_argument("extension_id")
+    configure.add_argument("--file", required=True)
+    verbs.add_parser("env")
+    run = commands.add_parser("run", help="launch a command with the enabled bundles")
+    run.add_argument("--dry-run", action="store_true")
+    run.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    run.add_argument("argv", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _list(as_json: bool) -> None:
+    state = load_state()
+    bundles, diagnostics = discover_tolerant()
+    if as_json:
+        documents: list[dict[str, Any]] = [
+            inspect_document(b, state.is_enabled(b.bundle_id)) for b in bundles
+        ]
+        documents += [
+            {"bundle_id": d.bundle_id, "discovery_error": d.error, "valid": False}
+            for d in diagnostics
+        ]
+        _dump(documents)
+        return
+    for bundle in bundles:
+        flag = "enabled" if state.is_enabled(bundle.bundle_id) else "disabled"
+        print(f"{bundle.bundle_id} {bundle.manifest.extension_version} {flag}")
+    for diagnostic in diagnostics:
+        print(f"{diagnostic.bundle_id} invalid {diagnostic.error}", file=sys.stderr)
+
+
+def _extension(args: argparse.Namespace) -> None:
+    verb = args.verb
+    if verb == "list":
+        _list(args.json)
+    elif verb in ("inspect", "validate"):
+        bundle = _one(args.extension_id)
+        _dump(inspect_document(bundle, load_state().is_enabled(bundle.bundle_id)))
+    elif verb == "enable":
+        _enable(args.extension_id)
+    elif verb == "disable":
+        _disable(args.extension_id)
+    elif verb == "forget":
+        _forget(args.extension_id)
+    elif verb in ("status", "check"):
+        _status(args.extension_id)
+    elif verb == "configure":
+        _configure(args.extension_id, args.file)
+    elif verb in ("plan", "render"):
+        bundle = _one(args.extension_id)
+        state = load_state()
+        plan_document = _plans([bundle], state)[0]
+        _dump(plan_document if verb == "plan" else provider.render(plan_document))
+    elif verb == "env":
+        state = load_state()
+        _dump(activation_environment(_plans(discover(state.enabled_ids()), state)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args.argv, args.dry_run, args.shutdown_grace_seconds)
+        _extension(args)
+        return 0
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    except Exception as error:  # never a traceback: the contract is one error line
+        parser.error(f"internal error: {type(error).__name__}: {error}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Find installed bundles from package metadata alone: nothing is imported.
+
+A bundle registers ``[vllm_hust.extension_bundles] <extension_id> = <dotted.directory>``.
+The manifest is located through the distribution's RECORD (``dist.files``), or, for an
+editable install, through ``direct_url.json`` under the source root and ``src/``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import Distribution, EntryPoint, entry_points
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from hust_ext_manager.manifest import Manifest, ManifestError, load_manifest
+
+__all__ = [
+    "BUNDLE_GROUP",
+    "CHECK_GROUP",
+    "MANIFEST_FILENAMES",
+    "Diagnostic",
+    "DiscoveryError",
+    "InstalledBundle",
+    "discover",
+    "discover_tolerant",
+]
+
+BUNDLE_GROUP = "vllm_hust.extension_bundles"
+CHECK_GROUP = "vllm_hust_ext.bundle_checks"
+MANIFEST_FILENAMES = (
+    "vllm-hust-extension-v0.2.json",
+    "vllm-hust-extension-v1.json",
+    "extension-bundle-v1.json",
+)
+_STATIC_DIRECTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+class DiscoveryError(ValueError):
+    """Installed bundle metadata is missing, ambiguous or invalid."""
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledBundle:
+    bundle_id: str
+    distribution: str
+    distribution_version: str
+    manifest_path: Path
+    manifest: Manifest
+    raw: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostic:
+    bundle_id: str
+    error: str
+
+
+def _editable_roots(dist: Distribution) -> list[Path]:
+    text = dist.read_text("direct_url.json")
+    if not text:
+        return []
+    try:
+        direct_url = json.loads(text)
+        editable = direct_url.get("dir_info", {}).get("editable") is True
+        url = urlparse(str(direct_url.get("url", "")))
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise DiscoveryError("editable direct_url.json is invalid") from error
+    if not editable or url.scheme != "file" or url.netloc not in ("", "localhost"):
+        return []
+    root = Path(unquote(url.path))
+    return [root, root / "src"]
+
+
+def _manifest_path(registration: EntryPoint) -> Path:
+    name = registration.name
+    if not _STATIC_DIRECTORY.fullmatch(registration.value):
+        raise DiscoveryError(f"{name!r} must register a static module directory")
+    dist = registration.dist
+    if dist is None:
+        raise DiscoveryError(f"{name!r} has no distribution metadata")
+    wanted = [PurePosixPath(*registration.value.split("."), f) for f in MANIFEST_FILENAMES]
+    recorded = {PurePosixPath(str(f)) for f in (dist.files or ())}
+    matches = [Path(str(dist.locate_file(str(p)))) for p in wanted if p in recorded]
+    if not matches:
+        # Editable installs record only a finder/.pth; the files live in the source tree.
+        matches = [
+            root / p for root in _editable_roots(dist) for p in wanted if (root / p).is_file()
+        ]
+    if len(matches) != 1:
+        raise DiscoveryError(f"{name!r} must contain exactly one Bundle v1 manifest")
+    return matches[0]
+
+
+def _load(registration: EntryPoint) -> InstalledBundle:
+    bundle_id = registration.name
+    dist = registration.dist
+    if dist is None:
+        raise DiscoveryError(f"{bundle_id!r} has no distribution metadata")
+    dist_name = dist.metadata["Name"]
+    if not isinstance(dist_name, str) or not dist_name:
+        raise DiscoveryError(f"{bundle_id!r} has no distribution name")
+    path = _manifest_path(registration)
+    try:
+        manifest, raw = load_manifest(path)
+    except ManifestError as error:
+        raise DiscoveryError(f"{bundle_id!r} manifest is invalid: {error}") from error
+    if manifest.extension_id != bundle_id:
+        raise DiscoveryError(f"registration {bundle_id!r} does not match {manifest.extension_id!r}")
+    return InstalledBundle(bundle_id, dist_name, dist.version, path, manifest, raw)
+
+
+def _registrations() -> dict[str, list[EntryPoint]]:
+    found: dict[str, list[EntryPoint]] = {}
+    for registration in entry_points(group=BUNDLE_GROUP):
+        found.setdefault(registration.name, []).append(registration)
+    return found
+
+
+def discover(selected: Iterable[str] | None = None) -> tuple[InstalledBundle, ...]:
+    """Strict resolution: every requested id (or every registered id) must load cleanly.
+
+    Results come back in the requested order, or sorted by id when none was requested.
+    """
+    wanted: Sequence[str] | None = None if selected is None else list(dict.fromkeys(selected))
+    registered = _registrations()
+    candidates = (
+        registered if wanted is None else {k: v for k, v in registered.items() if k in set(wanted)}
+    )
+    duplicates = sorted(k for k, v in candidates.items() if len(v) != 1)
+    if duplicates:
+        raise DiscoveryError(f"duplicate Bundle registrations: {duplicates}")
+    if wanted is not None:
+        missing = sorted(set(wanted) - candidates.keys())
+        if missing:
+            raise DiscoveryError(f"enabled Bundles are not installed: {missing}")
+    loaded = {bundle_id: _load(items[0]) for bundle_id, items in candidates.items()}
+    order = wanted if wanted is not None else sorted(loaded)
+    return tuple(loaded[bundle_id] for bundle_id in order)
+
+
+def discover_tolerant() -> tuple[tuple[InstalledBundle, ...], tuple[Diagnostic, ...]]:
+    """``list`` discovery: invalid registrations become diagnostics instead of errors."""
+    bundles: list[InstalledBundle] = []
+    diagnostics: list[Diagnostic] = []
+    for bundle_id, items in sorted(_registrations().items()):
+        if len(items) != 1:
+            diagnostics.append(
+                Diagnostic(bundle_id, f"duplicate Bundle registrations: {[bundle_id]}")
+            )
+            continue
+        try:
+            bundles.append(_load(items[0]))
+        except DiscoveryError as error:
+            diagnostics.append(Diagnostic(bundle_id, str(error)))
+    return tuple(bundles), tuple(diagnostics)

@@ -1,0 +1,248 @@
+"""``run``: render the launch command and environment, then supervise the child.
+
+Rendering never changes an argument the caller already gave: an equal value is accepted,
+a different one is a conflict. Supervision puts the child in its own session so the
+whole process tree can be signalled as one group and nothing outlives the manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "ENABLED_BUNDLES_ENV",
+    "NATIVE_ENVIRONMENT",
+    "LaunchPlan",
+    "group_members",
+    "merge_additional_config",
+    "merge_option",
+    "supervise",
+    "write_native_manifests",
+]
+
+ENABLED_BUNDLES_ENV = "VLLMHUST_EXT_ENABLED_BUNDLES"
+NATIVE_ENVIRONMENT = ("VLLM_EXTENSION_MANIFESTS", "VLLM_EXTENSION_BUNDLES")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    command: tuple[str, ...]
+    environment: Mapping[str, str]
+    native_manifests: Mapping[str, Any] = field(default_factory=dict)
+
+    def dry_run_document(self) -> dict[str, Any]:
+        return {
+            "command": list(self.command),
+            "environment": dict(self.environment),
+            "native_extension_manifests": dict(self.native_manifests),
+        }
+
+
+# --- argument rendering -------------------------------------------------------------
+
+
+def _find(command: list[str], option: str) -> tuple[int, str | None, bool] | None:
+    """Locate ``--opt V`` or ``--opt=V``: (index, value or None if missing, inline form)."""
+    for index, arg in enumerate(command):
+        if arg == option:
+            value = command[index + 1] if index + 1 < len(command) else None
+            return index, value, False
+        if arg.startswith(option + "="):
+            return index, arg[len(option) + 1 :], True
+    return None
+
+
+def _dump(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> list[str]:
+    """Merge the bundles' additional_config into the caller's ``--additional-config``."""
+    if not merged:
+        return command
+    found = _find(command, "--additional-config")
+    if found is None:
+        return [*command, "--additional-config", _dump(dict(merged))]
+    index, value, inline = found
+    if value is None:
+        raise ValueError("--additional-config requires a JSON object")
+    try:
+        existing = json.loads(value)
+    except json.JSONDecodeError:
+        existing = None
+    if not isinstance(existing, dict):
+        raise ValueError("--additional-config must contain a JSON object")
+    conflicts = sorted(k for k, v in merged.items() if k in existing and existing[k] != v)
+    if conflicts:
+        raise ValueError(f"plugin activation conflicts with additional_config keys: {conflicts}")
+    text = _dump({**existing, **merged})
+    result = list(command)
+    if inline:
+        result[index] = f"--additional-config={text}"
+    else:
+        result[index + 1] = text
+    return result
+
+
+def merge_option(command: list[str], option: str, value: object, *, is_json: bool) -> list[str]:
+    """Append ``option value`` unless the caller set it; an equal value is accepted."""
+    found = _find(command, option)
+    if found is None:
+        return [*command, option, _dump(value) if is_json else str(value)]
+    _, existing, _ = found
+    if existing is None:
+        raise ValueError(
+            f"{option} requires a JSON object" if is_json else f"{option} requires a value"
+        )
+    if is_json:
+        try:
+            same = json.loads(existing) == value
+        except json.JSONDecodeError:
+            same = False
+    else:
+        same = existing == value
+    if not same:
+        raise ValueError(f"extension activation conflicts with {option}")
+    return command
+
+
+def merge_flag(command: list[str], flag: str) -> list[str]:
+    return command if flag in command else [*command, flag]
+
+
+# --- native manifests ---------------------------------------------------------------
+
+
+def write_native_manifests(native: Mapping[str, Any]) -> tuple[Path, dict[str, str]]:
+    """Write ``<i>-manifest.json`` files to a fresh temp dir; return it and the variables."""
+    directory = Path(tempfile.mkdtemp(prefix="vllm-hust-ext-"))
+    paths = []
+    for index, document in enumerate(native.values()):
+        path = directory / f"{index}-manifest.json"
+        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        paths.append(str(path))
+    return directory, {
+        "VLLM_EXTENSION_MANIFESTS": os.pathsep.join(paths),
+        "VLLM_EXTENSION_BUNDLES": ",".join(native),
+    }
+
+
+# --- supervision --------------------------------------------------------------------
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 1 :].split()
+        # fields[0] is the state, fields[2] the process group id.
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            members.append(int(entry.name))
+    return members
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+class _Supervisor:
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.first_signal: int | None = None
+        self.deadline: float | None = None
+        self.killed = False
+        self.forwarded = False
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.first_signal is None:
+            self.first_signal = signum
+            self.deadline = time.monotonic() + self.grace
+            self.forward()
+        elif self.child is not None:
+            self.kill()  # a second signal escalates at once
+
+    def forward(self) -> None:
+        if self.child is not None and self.first_signal is not None and not self.forwarded:
+            self.forwarded = True
+            _killpg(self.child.pid, self.first_signal)
+
+    def kill(self) -> None:
+        if self.child is not None and not self.killed:
+            self.killed = True
+            _killpg(self.child.pid, signal.SIGKILL)
+
+    def wait_child(self) -> int:
+        child = self.child
+        assert child is not None
+        while True:
+            try:
+                return child.wait(timeout=_POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self.kill()
+
+    def clean_group(self, pgid: int) -> None:
+        """After the direct child exits: SIGTERM survivors, SIGKILL them at the deadline."""
+        if not group_members(pgid):
+            return
+        _killpg(pgid, signal.SIGTERM)
+        deadline = self.deadline if self.deadline is not None else time.monotonic() + self.grace
+        while group_members(pgid):
+            if time.monotonic() >= deadline:
+                _killpg(pgid, signal.SIGKILL)
+                end = time.monotonic() + 5.0
+                while group_members(pgid) and time.monotonic() < end:
+                    time.sleep(_POLL_SECONDS)
+                return
+            time.sleep(_POLL_SECONDS)
+
+
+def supervise(command: Sequence[str], environment: Mapping[str, str], grace: float) -> int:
+    """Run ``command`` in a new session; forward signals; return its exit code (or 128+N)."""
+    supervisor = _Supervisor(grace)
+    previous = {signum: signal.getsignal(signum) for signum in _FORWARDED}
+    for signum in _FORWARDED:
+        signal.signal(signum, supervisor.on_signal)
+    try:
+        supervisor.child = subprocess.Popen(
+            list(command), env=dict(environment), start_new_session=True
+        )
+        supervisor.forward()  # a signal that arrived before the child existed
+        code = supervisor.wait_child()
+        supervisor.clean_group(supervisor.child.pid)
+    finally:
+        if supervisor.child is not None and supervisor.child.poll() is None:
+            supervisor.kill()
+            supervisor.child.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if supervisor.first_signal is not None:
+        return 128 + supervisor.first_signal
+    return 128 - code if code < 0 else code
+
+
+def remove_directory(directory: Path | None) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)

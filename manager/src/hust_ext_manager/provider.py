@@ -1,0 +1,420 @@
+"""The vLLM Host Provider: compatibility check, launch plan and rendered artifacts.
+
+Host facts come from package metadata only (vLLM is never imported): the host version is
+``importlib.metadata.version(host.name)`` and the ``vllm.preemption-policy`` protocol is
+"1.0" only when the installed host distribution ships
+``vllm/v1/core/sched/preemption.py`` (vLLM-HUST). The operator's ``configure`` file may
+declare ``host_version`` / ``host_api_version`` / ``protocol_versions`` instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from hust_ext_manager.discovery import CHECK_GROUP, InstalledBundle
+from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
+
+__all__ = [
+    "CONTRACT_FILE",
+    "RENDERED_CONTRACTS",
+    "CheckResult",
+    "bundle_checks",
+    "check",
+    "host_has_preemption_contract",
+    "native_manifest",
+    "plan",
+    "render",
+    "service_health",
+]
+
+PREEMPTION_PROTOCOL = "vllm.preemption-policy"
+CONTRACT_FILE = "vllm/v1/core/sched/preemption.py"
+RENDERED_CONTRACTS = {
+    "vllm.preemption-policy.v1": "--preemption-policy",
+    "vllm.batch-admission-policy.v1": "--batch-admission-policy",
+    "vllm.worker-class.v1": "--worker-cls",
+}
+_LAUNCH_JSON_OPTIONS = {
+    "batch_admission_policy_config": "--batch-admission-policy-config",
+    "speculative_config": "--speculative-config",
+}
+_LAUNCH_FLAGS = {"scheduler_reserve_output_budget": "--scheduler-reserve-output-budget"}
+_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins")
+_POLICY_WARNING = (
+    "in-process scheduler activation requires explicit host and protocol compatibility "
+    "evidence; run refuses unverified policies"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """``compatible`` is True, False, or None (unknown)."""
+
+    compatible: bool | None
+    configured: bool
+    degraded: bool
+    evidence: tuple[str, ...]
+
+
+# --- host facts ---------------------------------------------------------------------
+
+
+def _host_distribution(name: str) -> importlib.metadata.Distribution | None:
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def host_has_preemption_contract(host_name: str = "vllm") -> bool:
+    """True when the installed host ships the ``vllm.preemption-policy`` module (RECORD)."""
+    dist = _host_distribution(host_name)
+    return dist is not None and any(str(f) == CONTRACT_FILE for f in dist.files or ())
+
+
+def _detected_protocols(host_name: str) -> dict[str, str]:
+    return {PREEMPTION_PROTOCOL: "1.0"} if host_has_preemption_contract(host_name) else {}
+
+
+def _in_range(version: str, spec: str) -> bool:
+    try:
+        return Version(version) in SpecifierSet(spec)
+    except (InvalidVersion, InvalidSpecifier):
+        return False  # an unparsable version counts as outside
+
+
+# --- configuration ------------------------------------------------------------------
+
+
+def _optional_string(configuration: Mapping[str, Any], key: str) -> str | None:
+    value = configuration.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key} must be a non-empty string")
+    return value
+
+
+def _environment(manifest: Manifest, configuration: Mapping[str, Any]) -> dict[str, str]:
+    overrides = configuration.get("environment", {})
+    if not isinstance(overrides, dict):
+        raise ValueError("environment must be an object")
+    declared = manifest.environment
+    undeclared = sorted(set(overrides) - set(declared))
+    if undeclared:
+        raise ValueError(f"environment overrides must be declared by the manifest: {undeclared}")
+    if not all(isinstance(v, str) for v in overrides.values()):
+        raise ValueError("environment override values must be strings")
+    return {**declared, **overrides}
+
+
+def _launch_options(configuration: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    options = configuration.get("launch_options", {})
+    if not isinstance(options, dict):
+        raise ValueError("launch_options must be an object")
+    unsupported = sorted(set(options) - set(_LAUNCH_JSON_OPTIONS) - set(_LAUNCH_FLAGS))
+    if unsupported:
+        raise ValueError(f"unsupported vLLM launch_options: {unsupported}")
+    json_options: dict[str, Any] = {}
+    flags: list[str] = []
+    for key, value in sorted(options.items()):
+        if key in _LAUNCH_FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"launch_options.{key} must be a boolean")
+            if value:
+                flags.append(_LAUNCH_FLAGS[key])
+        else:
+            if not isinstance(value, dict):
+                raise ValueError(f"launch_options.{key} must be an object")
+            json_options[_LAUNCH_JSON_OPTIONS[key]] = value
+    return json_options, flags
+
+
+# --- check --------------------------------------------------------------------------
+
+
+def _host_step(manifest: Manifest, configuration: Mapping[str, Any]) -> tuple[bool | None, str]:
+    host = manifest.host
+    version = _optional_string(configuration, "host_version")
+    if version is None:
+        dist = _host_distribution(host.name)
+        version = None if dist is None else dist.version
+    if version is None:
+        return None, "host version is unavailable; compatibility is unverified"
+    if not _in_range(version, host.version_range):
+        return False, f"host version {version} is outside {host.version_range}"
+    return True, f"host version {version} satisfies the declared range"
+
+
+def _api_step(manifest: Manifest, configuration: Mapping[str, Any]) -> tuple[bool | None, str]:
+    api_range = manifest.host.api_range
+    assert api_range is not None
+    version = _optional_string(configuration, "host_api_version") or "1.0"
+    if not _in_range(version, api_range):
+        return False, f"host API {version} is outside {api_range}"
+    return True, f"host API {version} satisfies the declared range"
+
+
+def _protocol_steps(
+    manifest: Manifest, configuration: Mapping[str, Any]
+) -> list[tuple[bool | None, str]]:
+    declared = configuration.get("protocol_versions", {})
+    if not isinstance(declared, dict):
+        raise ValueError("protocol_versions must be an object")
+    versions = {**_detected_protocols(manifest.host.name), **declared}
+    steps: list[tuple[bool | None, str]] = []
+    for protocol in manifest.protocols:
+        version = versions.get(protocol.name)
+        if not isinstance(version, str) or not version:
+            steps.append((None, f"protocol {protocol.name} version is unavailable"))
+        elif protocol.version_range is not None and not _in_range(version, protocol.version_range):
+            steps.append(
+                (False, f"protocol {protocol.name} {version} is outside {protocol.version_range}")
+            )
+        else:
+            steps.append((True, f"protocol {protocol.name} {version} satisfies the declared range"))
+    return steps
+
+
+def _qualification_step(
+    manifest: Manifest, configuration: Mapping[str, Any]
+) -> tuple[bool | None, str] | None:
+    config = manifest.additional_config
+    if RESERVED_QUALIFICATION_KEY not in config:
+        return None
+    profile = config[RESERVED_QUALIFICATION_KEY]
+    if not isinstance(profile, dict):
+        return False, "manifest runtime qualification profile is invalid"
+    observed = configuration.get("runtime_qualification")
+    if not isinstance(observed, dict) or observed.get("status") != "passed":
+        return None, (
+            "matching source contracts are insufficient; required runtime qualification "
+            "is unavailable"
+        )
+    mismatch = {k: (v, observed.get(k)) for k, v in profile.items() if observed.get(k) != v}
+    if mismatch:
+        return False, f"runtime qualification profile mismatch: {mismatch}"
+    return True, "required runtime qualification profile passed"
+
+
+def check(manifest: Manifest, configuration: Mapping[str, Any]) -> CheckResult:
+    """The provider check (spec §5.2); raises ValueError on a bad user configuration."""
+    _environment(manifest, configuration)
+    _launch_options(configuration)
+    host_ok, host_text = _host_step(manifest, configuration)
+    if host_ok is False:
+        return _finish(manifest, False, [host_text])
+    steps: list[tuple[bool | None, str]] = [(host_ok, host_text)]
+    if manifest.host.api_range is not None:
+        steps.append(_api_step(manifest, configuration))
+    steps.extend(_protocol_steps(manifest, configuration))
+    results = [ok for ok, _ in steps]
+    result: bool | None = False if False in results else (None if None in results else True)
+    evidence = [text for _, text in steps]
+    if result is True:
+        qualification = _qualification_step(manifest, configuration)
+        if qualification is not None:
+            result = qualification[0]
+            evidence.append(qualification[1])
+    return _finish(manifest, result, evidence)
+
+
+def _finish(manifest: Manifest, result: bool | None, evidence: list[str]) -> CheckResult:
+    blocker = manifest.activation_blocker
+    if blocker is not None:
+        return CheckResult(result, False, True, (*evidence, blocker))
+    return CheckResult(
+        result,
+        result is not False,
+        result is None,
+        (*evidence, "vLLM launch configuration can be rendered"),
+    )
+
+
+# --- services and bundle checks -----------------------------------------------------
+
+
+def service_health(
+    manifest: Manifest, configuration: Mapping[str, Any]
+) -> tuple[bool, bool, list[str], list[str]]:
+    """Probe each required service's endpoint.
+
+    Returns (reachable, healthy, evidence lines, ids of unhealthy required services).
+    """
+    reachable = healthy = True
+    evidence: list[str] = []
+    unhealthy: list[str] = []
+    for service in manifest.requires_services:
+        url = configuration.get(service.endpoint_config)
+        ok = False
+        if not isinstance(url, str) or not url:
+            evidence.append(
+                f"service {service.service_id} endpoint {service.endpoint_config} is not configured"
+            )
+            reachable = False
+        else:
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as response:
+                    ok = 200 <= response.status < 300
+                evidence.append(
+                    f"service {service.service_id} at {url} is {'healthy' if ok else 'unhealthy'}"
+                )
+            except (OSError, ValueError, urllib.error.URLError) as error:
+                reachable = False
+                evidence.append(f"service {service.service_id} at {url} is unreachable: {error}")
+        healthy = healthy and ok
+        if not ok and not service.optional:
+            unhealthy.append(service.service_id)
+    return reachable, healthy, evidence, unhealthy
+
+
+def bundle_checks(
+    bundle_id: str, manifest_raw: Mapping[str, Any], configuration: Mapping[str, Any]
+) -> list[tuple[bool, str]]:
+    """Run the bundle's own check from ``vllm_hust_ext.bundle_checks`` (loaded only here)."""
+    results: list[tuple[bool, str]] = []
+    for registration in importlib.metadata.entry_points(group=CHECK_GROUP, name=bundle_id):
+        try:
+            function = registration.load()
+            for ok, line in function(dict(manifest_raw), dict(configuration)):
+                results.append((bool(ok), str(line)))
+        except Exception as error:  # a broken check is a failed check, never a crash
+            text = " ".join(str(error).split()) or type(error).__name__
+            results.append((False, f"bundle check failed: {text}"))
+    return results
+
+
+# --- plan and render ----------------------------------------------------------------
+
+
+def rendered_options(manifest: Manifest) -> dict[str, str]:
+    """Scalar vLLM options from components whose contract has a renderer."""
+    options: dict[str, str] = {}
+    for contract, option in RENDERED_CONTRACTS.items():
+        refs = [c.implementation_ref for c in manifest.components if contract in c.contracts]
+        if len(refs) > 1:
+            raise ValueError(f"exactly one {contract} component is required")
+        if refs:
+            options[option] = refs[0].replace(":", ".")
+    return options
+
+
+def native_manifest(manifest: Manifest) -> dict[str, Any] | None:
+    """The host-native Bundle v1 document, present when ``host.api_range`` is declared."""
+    if manifest.host.api_range is None:
+        return None
+    return {
+        "schema_version": "1.0",
+        "bundle_id": manifest.extension_id,
+        "bundle_version": manifest.extension_version,
+        "host_api_range": manifest.host.api_range,
+        "components": [
+            {
+                "component_id": c.component_id,
+                "contracts": list(c.contracts),
+                "execution_planes": list(c.execution_planes),
+                "isolation": c.isolation,
+                "implementation_ref": c.implementation_ref,
+                "permissions": list(c.permissions),
+            }
+            for c in manifest.components
+        ],
+    }
+
+
+def plugin_names(manifest: Manifest) -> list[str]:
+    return [e.name for e in manifest.activation.entry_points if e.group in _PLUGIN_GROUPS]
+
+
+def plan(
+    bundle: InstalledBundle, configuration: Mapping[str, Any], *, enabled: bool
+) -> dict[str, Any]:
+    manifest = bundle.manifest
+    blocker = manifest.activation_blocker
+    if blocker is not None:
+        return {
+            "extension_id": manifest.extension_id,
+            "provider": "vllm",
+            "actions": [
+                {
+                    "operation": "inspect_only",
+                    "target": "vllm",
+                    "lifecycle_owner": manifest.lifecycle_owner,
+                    "mutating": False,
+                    "details": {"enabled": False},
+                }
+            ],
+            "generated_config": {},
+            "warnings": [blocker],
+        }
+    json_options, flags = _launch_options(configuration)
+    additional = {
+        k: v for k, v in manifest.additional_config.items() if k != RESERVED_QUALIFICATION_KEY
+    }
+    generated: dict[str, Any] = {
+        "environment": _environment(manifest, configuration),
+        "additional_config": additional,
+        "user_config": dict(configuration),
+        "vllm_json_options": json_options,
+    }
+    plugins = plugin_names(manifest)
+    if plugins:
+        generated["vllm_plugins"] = plugins
+    if flags:
+        generated["vllm_flags"] = flags
+    options = rendered_options(manifest)
+    if options:
+        generated["vllm_options"] = options
+    native = native_manifest(manifest)
+    if native is not None:
+        generated["native_extension_manifest"] = native
+    warnings = []
+    if manifest.kind == "scheduler_policy" and manifest.protocols:
+        warnings.append(_POLICY_WARNING)
+    result: dict[str, Any] = {
+        "extension_id": manifest.extension_id,
+        "provider": "vllm",
+        "actions": [
+            {
+                "operation": "configure_launch",
+                "target": "vllm",
+                "lifecycle_owner": manifest.lifecycle_owner,
+                "mutating": False,
+                "details": {"enabled": enabled},
+            }
+        ],
+        "generated_config": generated,
+        "warnings": warnings,
+    }
+    if any(action["mutating"] for action in result["actions"]):
+        raise ValueError("provider plan contains a forbidden implicit mutation")
+    return result
+
+
+def render(plan_document: Mapping[str, Any]) -> list[dict[str, str]]:
+    generated = plan_document.get("generated_config", {})
+    if plan_document["actions"][0]["operation"] == "inspect_only":
+        return [_artifact("inspection-plan.json", plan_document)]
+    artifacts = []
+    native = generated.get("native_extension_manifest")
+    if native is not None:
+        artifacts.append(_artifact("vllm-extension-manifest.json", native))
+    artifacts.append(_artifact("vllm-launch.json", plan_document))
+    return artifacts
+
+
+def _artifact(name: str, content: object) -> dict[str, str]:
+    return {
+        "name": name,
+        "media_type": "application/json",
+        "content": json.dumps(content, indent=2, sort_keys=True) + "\n",
+    }

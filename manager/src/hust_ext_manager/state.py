@@ -1,0 +1,176 @@
+"""The manager's state file: which bundles are enabled and their user configuration.
+
+Schema 2 is ``{"schema_version": 2, "extensions": {id: {"enabled", "configuration"}}}``;
+schema 1 (``{"schema_version": 1, "enabled": [...]}``) is read and migrated. Writers hold
+an exclusive ``flock`` on a sibling lock file for the whole read-modify-write, so
+concurrent invocations changing different ids never lose each other's updates; the file
+itself is replaced atomically, so readers need no lock. A state file that cannot be
+understood is refused and never rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "CONFIG_ENV",
+    "ExtensionState",
+    "State",
+    "config_path",
+    "load_state",
+    "mutate_state",
+    "parse_state",
+    "write_state",
+]
+
+CONFIG_ENV = "VLLM_HUST_EXT_CONFIG"
+_ENTRY_KEYS = frozenset({"enabled", "configuration"})
+
+
+class ExtensionState(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    configuration: Mapping[str, Any] = {}
+
+
+class State(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    extensions: Mapping[str, ExtensionState] = {}
+
+    def entry(self, extension_id: str) -> ExtensionState | None:
+        return self.extensions.get(extension_id)
+
+    def is_enabled(self, extension_id: str) -> bool:
+        entry = self.extensions.get(extension_id)
+        return entry is not None and entry.enabled
+
+    def configuration(self, extension_id: str) -> dict[str, Any]:
+        entry = self.extensions.get(extension_id)
+        return {} if entry is None else dict(entry.configuration)
+
+    def enabled_ids(self) -> list[str]:
+        return sorted(k for k, v in self.extensions.items() if v.enabled)
+
+    def with_entry(self, extension_id: str, entry: ExtensionState | None) -> State:
+        updated = dict(self.extensions)
+        if entry is None:
+            updated.pop(extension_id, None)
+        else:
+            updated[extension_id] = entry
+        return State(extensions=updated)
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "schema_version": 2,
+            "extensions": {
+                key: {"enabled": value.enabled, "configuration": dict(value.configuration)}
+                for key, value in sorted(self.extensions.items())
+            },
+        }
+
+
+def config_path() -> Path:
+    override = os.environ.get(CONFIG_ENV)
+    if override:
+        return Path(override)
+    return platformdirs.user_config_path("vllm-hust-ext") / "config.json"
+
+
+def parse_state(document: object) -> State:
+    """Turn a decoded state document into a State, with the protocol's error texts."""
+    if not isinstance(document, dict):
+        raise ValueError("vllm-hust-ext config must be an object")
+    schema = document.get("schema_version")
+    if schema == 1 and type(schema) is int:
+        legacy = document.get("enabled", [])
+        if not isinstance(legacy, list) or not all(isinstance(i, str) for i in legacy):
+            raise ValueError("legacy enabled must be an array of strings")
+        return State(extensions={i: ExtensionState(enabled=True) for i in legacy})
+    if schema != 2 or type(schema) is not int:
+        raise ValueError("vllm-hust-ext config has an unsupported schema")
+    raw = document.get("extensions", {})
+    if not isinstance(raw, dict):
+        raise ValueError("vllm-hust-ext extensions must be an object")
+    return State(extensions={key: _entry(key, value) for key, value in raw.items()})
+
+
+def _entry(extension_id: str, value: object) -> ExtensionState:
+    if not isinstance(value, dict):
+        raise ValueError(f"extension {extension_id!r} config must be an object")
+    unknown = sorted(value.keys() - _ENTRY_KEYS)
+    if unknown:
+        raise ValueError(f"extension {extension_id!r} config has unknown keys: {unknown}")
+    enabled = value.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"extension {extension_id!r} enabled must be boolean")
+    configuration = value.get("configuration", {})
+    if not isinstance(configuration, dict):
+        raise ValueError(f"extension {extension_id!r} configuration must be an object")
+    return ExtensionState(enabled=enabled, configuration=configuration)
+
+
+def load_state(path: Path | None = None) -> State:
+    target = config_path() if path is None else path
+    try:
+        text = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return State()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"vllm-hust-ext config {target} is not UTF-8") from error
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"vllm-hust-ext config {target} is not valid JSON") from error
+    return parse_state(document)
+
+
+def write_state(state: State, path: Path | None = None) -> None:
+    """Atomic replace: temp file in the same directory, 0600, fsync, ``os.replace``."""
+    target = config_path() if path is None else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(state.to_document(), indent=2, sort_keys=True) + "\n"
+    fd, temp = tempfile.mkstemp(prefix=".config-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temp, 0o600)
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(target.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def mutate_state(change: Callable[[State], State], path: Path | None = None) -> State:
+    """Read, change and write the state under the lock; refuses (raises) on a bad file."""
+    target = config_path() if path is None else path
+    with _locked(target):
+        updated = change(load_state(target))
+        write_state(updated, target)
+    return updated

@@ -1,0 +1,53 @@
+"""The bundle's in-engine activation: a vLLM general plugin.
+
+kvcached itself is activated by its ``kvcached_autopatch.pth`` plus the bundle's
+environment (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); this plugin adds only what
+kvcached lacks: a responder that applies ``kvcached-provider limit`` requests inside the
+engine process, where kvcached's revisioned control API must be called.
+
+vLLM loads general plugins in each of its processes; :func:`register` starts one daemon
+thread per process when kvcached is enabled and the instance has an explicit, valid
+``KVCACHED_IPC_NAME``. Only the process holding registered kvcached pools (the EngineCore)
+ever claims a request. The plugin never raises: a failure here must not stop the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from kvcached_provider.checks import IPC_NAME_PATTERN
+from kvcached_provider.limit import LimitResponder
+
+__all__ = ["register"]
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_responder: LimitResponder | None = None
+
+
+def _enabled(environ: os._Environ[str] | dict[str, str]) -> bool:
+    return environ.get("ENABLE_KVCACHED", "false").strip().lower() in {"true", "1"}
+
+
+def register() -> LimitResponder | None:
+    """Entry point of the ``vllm.general_plugins`` plugin ``kvcached_provider``."""
+    global _responder
+    try:
+        if not _enabled(os.environ):
+            return None
+        ipc = os.environ.get("KVCACHED_IPC_NAME", "")
+        if not IPC_NAME_PATTERN.match(ipc):
+            _log.warning(
+                "kvcached_provider: KVCACHED_IPC_NAME %r is missing or invalid; "
+                "`kvcached-provider limit` cannot reach this instance", ipc)
+            return None
+        with _lock:
+            if _responder is None:
+                _responder = LimitResponder(ipc)
+                _responder.start()
+            return _responder
+    except Exception as exc:  # a plugin failure must not prevent the engine from starting
+        _log.warning("kvcached_provider: limit responder not started: %s", exc)
+        return None

@@ -1,0 +1,378 @@
+"""Pre-launch checks for the ``org.vllm-hust.kvcached`` bundle.
+
+The extension manager loads :func:`check` through the ``vllm_hust_ext.bundle_checks`` entry
+point for ``extension status/check`` and ``run``; every ``False`` line marks the bundle
+degraded and makes ``run`` refuse to launch. Each line names exactly what is missing and
+how to fix it.
+
+Nothing here imports kvcached, torch or vLLM: importing kvcached needs a GPU build of torch
+(its ``__init__`` raises without one), and the manager must stay fast and side-effect free.
+Everything is read from distribution metadata (``importlib.metadata``), the filesystem, and
+-- only when torch's version carries no local tag -- a short subprocess probe.
+
+The checks describe the interpreter that runs them, i.e. the one running the manager; the
+launched engine normally shares it (``vllm-hust-ext run -- vllm serve ...`` from one venv).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.util
+import json
+import os
+import re
+import site
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from kvcached_provider import EXTENSION_ID, MIN_KVCACHED_VERSION
+
+__all__ = [
+    "AUTOPATCH_PTH",
+    "DEFAULT_IPC_NAME",
+    "IPC_NAME_PATTERN",
+    "KVCACHED_TESTED_VLLM_RANGE",
+    "check",
+    "check_autopatch_pth",
+    "check_compiled_module",
+    "check_ipc_name",
+    "check_kvcached_version",
+    "check_shm_writable",
+    "check_torch_backend",
+    "check_vllm_range",
+    "shm_dir",
+]
+
+CheckLine = tuple[bool, str]
+
+AUTOPATCH_PTH = "kvcached_autopatch.pth"
+# kvcached 0.1.6 supports vLLM >= 0.17 and is tested up to 0.30. The ``.dev0`` lower bound
+# names a pre-release on purpose: packaging then admits pre-release hosts such as vLLM-HUST's
+# setuptools-scm versions (``0.28.1rc1.dev319+g...``), which a plain ``>=0.17`` would reject.
+KVCACHED_TESTED_VLLM_RANGE = ">=0.17.0.dev0,<0.31"
+DEFAULT_IPC_NAME = "vllm_hust_kvcached"
+# kvcached sanitises explicit names to this alphabet and length; we require it verbatim so
+# that ``kvctl`` and ``kvcached-provider`` can address the instance by the configured name.
+IPC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TORCH_PROBE_TIMEOUT_S = 60.0
+
+_INSTALL_HINT = (
+    "install it with `pip install 'kvcached>=0.1.6' --no-build-isolation` in an environment "
+    "that has a CUDA or ROCm build of torch and the GPU toolkit (kvcached ships sdists only)"
+)
+_CONFIGURE_HINT = (
+    f"`vllm-hust-ext extension configure {EXTENSION_ID} --file F` with F holding "
+    '{"environment": {"KVCACHED_IPC_NAME": "<unique-name>"}}'
+)
+
+
+def shm_dir() -> Path:
+    """Directory holding kvcached's control records (``/dev/shm``; overridable for tests)."""
+    return Path(os.environ.get("KVCACHED_PROVIDER_SHM_DIR", "/dev/shm"))
+
+
+def _distribution(name: str) -> metadata.Distribution | None:
+    try:
+        return metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_kvcached_version() -> CheckLine:
+    """kvcached is installed (metadata) and at least 0.1.6."""
+    dist = _distribution("kvcached")
+    if dist is None:
+        return False, f"kvcached is not installed; {_INSTALL_HINT}"
+    try:
+        version = Version(dist.version)
+    except InvalidVersion:
+        return False, (
+            f"kvcached reports an unparsable version {dist.version!r}; reinstall it with "
+            "`pip install --force-reinstall 'kvcached>=0.1.6' --no-build-isolation`"
+        )
+    if version < Version(MIN_KVCACHED_VERSION):
+        return False, (
+            f"kvcached {version} is older than {MIN_KVCACHED_VERSION} (earlier releases lose "
+            "restored limits, report deferred shrinks as applied and ignore the autopatch "
+            "variables in editable installs); upgrade with "
+            "`pip install -U 'kvcached>=0.1.6' --no-build-isolation`"
+        )
+    return True, f"kvcached {version} is installed (>= {MIN_KVCACHED_VERSION})"
+
+
+def _native_stem(version: str) -> str:
+    """Name of the compiled module: ``_C`` from 0.1.6, ``vmm_ops`` before."""
+    try:
+        return "_C" if Version(version) >= Version(MIN_KVCACHED_VERSION) else "vmm_ops"
+    except InvalidVersion:
+        return "_C"
+
+
+def _is_native(path: Path, stem: str) -> bool:
+    return path.name.startswith(stem + ".") and path.suffix in {".so", ".pyd"}
+
+
+def _recorded_native(dist: metadata.Distribution, stem: str) -> list[Path]:
+    found: list[Path] = []
+    for entry in dist.files or []:
+        rel = Path(str(entry))
+        if rel.parts[:1] == ("kvcached",) and len(rel.parts) == 2 and _is_native(rel, stem):
+            found.append(Path(str(dist.locate_file(entry))))
+    return found
+
+
+def _package_dir_native(stem: str) -> list[Path]:
+    """Fallback for editable installs, whose RECORD lists no package files.
+
+    ``find_spec`` of a top-level name locates the package without executing it.
+    """
+    spec = importlib.util.find_spec("kvcached")
+    if spec is None:
+        return []
+    roots = list(spec.submodule_search_locations or [])
+    return [p for root in roots for p in Path(root).glob(stem + ".*") if _is_native(p, stem)]
+
+
+def check_compiled_module() -> CheckLine:
+    """The native extension (``kvcached/_C*.so``; ``vmm_ops`` before 0.1.6) is on disk."""
+    dist = _distribution("kvcached")
+    if dist is None:
+        return False, (
+            "kvcached's compiled module (kvcached/_C) cannot be found because kvcached is "
+            f"not installed; {_INSTALL_HINT}"
+        )
+    stem = _native_stem(dist.version)
+    candidates = _recorded_native(dist, stem) or _package_dir_native(stem)
+    present = [p for p in candidates if p.is_file()]
+    if not present:
+        return False, (
+            f"kvcached {dist.version} is installed without its compiled module "
+            f"(no kvcached/{stem}.*.so in its file list or package directory); the build "
+            "skipped or lost the CUDA/ROCm extension: reinstall with "
+            "`pip install --force-reinstall --no-build-isolation 'kvcached>=0.1.6'` where "
+            "torch is a CUDA or ROCm build and the toolkit (nvcc/hipcc) is on PATH"
+        )
+    return True, f"kvcached's compiled module is present: {present[0]}"
+
+
+def _site_dirs() -> list[Path]:
+    dirs: list[str] = []
+    dirs.extend(site.getsitepackages())
+    user = site.getusersitepackages()
+    if user:
+        dirs.append(user)
+    for key in ("purelib", "platlib"):
+        value = sysconfig.get_paths().get(key)
+        if value:
+            dirs.append(value)
+    unique: list[Path] = []
+    for d in dirs:
+        path = Path(d)
+        if path not in unique:
+            unique.append(path)
+    return unique
+
+
+def check_autopatch_pth(site_dirs: Iterable[Path] | None = None) -> CheckLine:
+    """``kvcached_autopatch.pth`` sits at a site-packages root, so the env vars take effect."""
+    dirs = list(site_dirs) if site_dirs is not None else _site_dirs()
+    for d in dirs:
+        if (d / AUTOPATCH_PTH).is_file():
+            return True, f"{AUTOPATCH_PTH} is present in {d}"
+    listed = ", ".join(str(d) for d in dirs) or "(no site-packages directory found)"
+    return False, (
+        f"{AUTOPATCH_PTH} is missing from site-packages ({listed}); without it "
+        "ENABLE_KVCACHED and KVCACHED_AUTOPATCH silently do nothing: install kvcached>=0.1.6 "
+        "with a regular `pip install` (0.1.6 also ships it in editable installs), in this "
+        "interpreter's environment"
+    )
+
+
+def _probe_torch_backend(timeout_s: float) -> tuple[str | None, str | None] | str:
+    """Ask a child interpreter for ``torch.version.cuda`` / ``.hip``; a string is an error."""
+    code = (
+        "import json, torch; "
+        "print(json.dumps([torch.version.cuda, getattr(torch.version, 'hip', None)]))"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"probing torch timed out after {timeout_s:g} s"
+    except OSError as exc:
+        return f"probing torch failed: {exc}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"importing torch failed: {last}"
+    try:
+        cuda, hip = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return "probing torch printed no backend information"
+    return (str(cuda) if cuda else None, str(hip) if hip else None)
+
+
+def check_torch_backend(
+    probe: Callable[[float], tuple[str | None, str | None] | str] = _probe_torch_backend,
+) -> CheckLine:
+    """torch is a CUDA or ROCm build: from the version's local tag, else a subprocess probe."""
+    fix = (
+        "install a CUDA or ROCm build of torch (e.g. `pip install torch --index-url "
+        "https://download.pytorch.org/whl/cu128`), then rebuild kvcached against it"
+    )
+    dist = _distribution("torch")
+    if dist is None:
+        return False, f"torch is not installed; kvcached needs a GPU build of torch: {fix}"
+    try:
+        local = (Version(dist.version).local or "").lower()
+    except InvalidVersion:
+        local = ""
+    if local.startswith("cu") or local.startswith("rocm"):
+        return True, f"torch {dist.version} is a {'ROCm' if 'rocm' in local else 'CUDA'} build"
+    if local:
+        return False, f"torch {dist.version} is a {local.upper()}-only build; {fix}"
+    result = probe(TORCH_PROBE_TIMEOUT_S)
+    if isinstance(result, str):
+        return False, f"cannot tell whether torch {dist.version} is a GPU build ({result}); {fix}"
+    cuda, hip = result
+    if cuda:
+        return True, f"torch {dist.version} is a CUDA {cuda} build"
+    if hip:
+        return True, f"torch {dist.version} is a ROCm (HIP {hip}) build"
+    return False, f"torch {dist.version} is a CPU-only build (no CUDA or HIP version); {fix}"
+
+
+def check_vllm_range(version_range: str = KVCACHED_TESTED_VLLM_RANGE) -> CheckLine:
+    """The installed vLLM lies in kvcached's supported range (its patches are version gated)."""
+    dist = _distribution("vllm")
+    if dist is None:
+        return False, (
+            f"vLLM is not installed; kvcached patches vLLM {version_range}: install a vLLM "
+            "in that range (e.g. vLLM-HUST 0.28.1) in this environment"
+        )
+    try:
+        spec = SpecifierSet(version_range)
+    except InvalidSpecifier:
+        return False, f"the bundle's vLLM range {version_range!r} is not a valid version range"
+    try:
+        inside = spec.contains(Version(dist.version))
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        return False, (
+            f"vLLM {dist.version} is outside kvcached's supported range {version_range} "
+            "(kvcached 0.1.6 is tested up to vLLM 0.30; its patches are gated by version and "
+            "would not apply): run on a vLLM in that range, e.g. vLLM-HUST 0.28.1, or "
+            f"`vllm-hust-ext extension disable {EXTENSION_ID}`"
+        )
+    return True, f"vLLM {dist.version} is inside kvcached's supported range {version_range}"
+
+
+def check_shm_writable(directory: Path | None = None) -> CheckLine:
+    """kvcached keeps one control record per instance in ``/dev/shm``."""
+    target = directory if directory is not None else shm_dir()
+    fix = (
+        "kvcached keeps each instance's control record there: mount a writable tmpfs at "
+        "/dev/shm (containers: `--ipc=host` or `--shm-size=1g`)"
+    )
+    if not target.is_dir():
+        return False, f"{target} does not exist or is not a directory; {fix}"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvcached-provider-check-", dir=target)
+    except OSError as exc:
+        return False, f"{target} is not writable ({exc.strerror or exc}); {fix}"
+    os.close(fd)
+    os.unlink(name)
+    return True, f"{target} is writable"
+
+
+def check_ipc_name(name: str | None, directory: Path | None = None) -> list[CheckLine]:
+    """The planned ``KVCACHED_IPC_NAME`` is addressable and, ideally, unique per instance."""
+    if name is None:
+        return [(False, (
+            "KVCACHED_IPC_NAME is not set in the bundle's activation environment; without an "
+            "explicit name kvcached derives one from the process group and neither kvctl "
+            f"nor kvcached-provider can address the instance: set it with {_CONFIGURE_HINT}"
+        ))]
+    if not IPC_NAME_PATTERN.match(name):
+        return [(False, (
+            f"KVCACHED_IPC_NAME {name!r} is invalid: expected 1-64 characters from "
+            "[A-Za-z0-9_-] (kvcached would rewrite it, so kvctl and kvcached-provider could "
+            f"not address the instance by it); set a valid one with {_CONFIGURE_HINT}"
+        ))]
+    lines: list[CheckLine] = [(True, f"KVCACHED_IPC_NAME is {name!r}")]
+    if name == DEFAULT_IPC_NAME:
+        lines.append((True, (
+            f"KVCACHED_IPC_NAME is the bundle default {name!r}; engines sharing this host "
+            f"need distinct names: set one per instance with {_CONFIGURE_HINT}"
+        )))
+    record = (directory if directory is not None else shm_dir()) / name
+    if record.exists():
+        # Informational only: segments survive SIGKILL and (vLLM) SIGTERM, so this may be a
+        # leak -- but it may also be a live engine, which must never be deleted blindly.
+        lines.append((True, (
+            f"control record {record} already exists (a live instance or a leaked segment); "
+            f"if no engine uses it remove it with `kvctl delete {name}`, else pick another "
+            "KVCACHED_IPC_NAME"
+        )))
+    return lines
+
+
+def _planned_environment(
+    manifest: Mapping[str, object], configuration: Mapping[str, object]
+) -> dict[str, str]:
+    env: dict[str, str] = {}
+    activation = manifest.get("activation")
+    if isinstance(activation, Mapping):
+        declared = activation.get("environment")
+        if isinstance(declared, Mapping):
+            env.update({str(k): str(v) for k, v in declared.items()})
+    overrides = configuration.get("environment")
+    if isinstance(overrides, Mapping):
+        env.update({str(k): str(v) for k, v in overrides.items() if isinstance(v, str)})
+    return env
+
+
+def _supported_range(manifest: Mapping[str, object]) -> str:
+    host = manifest.get("host")
+    if isinstance(host, Mapping):
+        value = host.get("version_range")
+        if isinstance(value, str) and value.strip():
+            return value
+    return KVCACHED_TESTED_VLLM_RANGE
+
+
+def check(
+    manifest: Mapping[str, object], configuration: Mapping[str, object]
+) -> list[tuple[bool, str]]:
+    """Run every check; one ``(ok, evidence line)`` per finding, in a fixed order."""
+    env = _planned_environment(manifest, configuration)
+    probes: list[tuple[str, Callable[[], CheckLine | list[CheckLine]]]] = [
+        ("kvcached version", check_kvcached_version),
+        ("kvcached compiled module", check_compiled_module),
+        ("kvcached autopatch .pth", check_autopatch_pth),
+        ("torch backend", check_torch_backend),
+        ("vLLM range", lambda: check_vllm_range(_supported_range(manifest))),
+        ("/dev/shm", check_shm_writable),
+        ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"))),
+    ]
+    lines: list[CheckLine] = []
+    for label, probe in probes:
+        try:
+            found = probe()
+        except Exception as exc:  # one broken probe must not hide the others' findings
+            lines.append((False, f"{label} check failed unexpectedly: {exc}"))
+            continue
+        lines.extend(found if isinstance(found, list) else [found])
+    return lines

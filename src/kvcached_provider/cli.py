@@ -1,0 +1,114 @@
+"""``kvcached-provider``: operator commands for the kvcached bundle.
+
+``kvcached-provider limit --ipc NAME SIZE`` applies a memory limit to instance ``NAME``
+through kvcached's revisioned control API (see :mod:`kvcached_provider.limit` for where the
+API runs, how revisions persist and how mixing with ``kvctl limit`` is refused). It prints
+the result state first (``applied``, ``deferred``, ``stale``, ``conflict``, ``unavailable``
+or ``rejected``) and exits 0 only for ``applied``/``deferred``, 1 for the other states and
+2 for bad input.
+
+``kvcached-provider check`` prints the bundle's pre-launch checks (exit 1 if any fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcached_provider import EXTENSION_ID
+from kvcached_provider.limit import (
+    LimitError,
+    LimitResult,
+    parse_size,
+    set_limit,
+    validate_ipc_name,
+)
+
+__all__ = ["main"]
+
+# The manifest ships beside the package: ``<site-packages>/manifests/kvcached/`` in a wheel,
+# ``<repo>/manifests/kvcached/`` in an editable install (the package is under ``src/``).
+_MANIFEST_CANDIDATES = tuple(
+    Path(__file__).resolve().parents[n] / "manifests" / "kvcached" / "vllm-hust-extension-v0.2.json"
+    for n in (1, 2)
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcached-provider", description="Operator commands for the kvcached bundle.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    limit = sub.add_parser("limit", help="apply a revisioned memory limit to an instance")
+    limit.add_argument("--ipc", required=True, metavar="NAME",
+                       help="the instance's KVCACHED_IPC_NAME")
+    limit.add_argument("size", metavar="SIZE", help="limit, e.g. 512M, 8G or bytes")
+    limit.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                       help="seconds to wait for the engine's answer (default 5)")
+    limit.add_argument("--adopt", action="store_true",
+                       help="skip the start-up comparison that detects a pre-existing kvctl "
+                            "limit on the first revisioned limit of an engine run")
+    limit.add_argument("--json", action="store_true", help="print the full result as JSON")
+    check = sub.add_parser("check", help="run the bundle's pre-launch checks")
+    check.add_argument("--ipc", metavar="NAME", help="KVCACHED_IPC_NAME to check")
+    return parser
+
+
+def _summary(result: LimitResult) -> str:
+    parts = [result.status, f"revision={result.revision}", f"limit_bytes={result.limit_bytes}",
+             f"effective_limit_bytes={result.effective_limit_bytes}",
+             f"mapped_bytes={result.mapped_bytes}", f"via={result.via}"]
+    if result.reason:
+        parts.append(f"reason={result.reason}")
+    line = " ".join(parts)
+    return f"{line}\n{result.detail}" if result.detail else line
+
+
+def _limit(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise LimitError(f"--timeout {args.timeout:g} is invalid: expected a positive number")
+    validate_ipc_name(args.ipc)
+    result = set_limit(args.ipc, parse_size(args.size), timeout_s=args.timeout,
+                       adopt=args.adopt)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(_summary(result))
+    return 0 if result.accepted else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvcached_provider.checks import check
+
+    manifest: dict[str, object] = {}  # not found: the checks fall back to their defaults
+    for candidate in _MANIFEST_CANDIDATES:
+        try:
+            manifest = json.loads(candidate.read_text(encoding="utf-8"))
+            break
+        except (OSError, ValueError):
+            continue
+    configuration = {"environment": {"KVCACHED_IPC_NAME": args.ipc}} if args.ipc else {}
+    lines = check(manifest, configuration)
+    for ok, text in lines:
+        print(f"{'ok  ' if ok else 'FAIL'} {text}")
+    failed = sum(1 for ok, _ in lines if not ok)
+    print(f"{EXTENSION_ID}: {failed} check(s) failed" if failed else f"{EXTENSION_ID}: ready")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _limit(args) if args.command == "limit" else _check(args)
+    except LimitError as exc:
+        print(f"kvcached-provider: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

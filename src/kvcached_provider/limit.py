@@ -1,0 +1,616 @@
+"""Revisioned memory limits for a kvcached instance.
+
+kvcached offers two ways to cap an instance's KV memory, and they must never be mixed on one
+instance (after ``kvctl limit X`` a revisioned limit Y is reported, but every later
+allocation re-applies X):
+
+- ``kvctl limit <ipc> <size>`` writes ``total_size`` in the instance's 24-byte control record
+  ``/dev/shm/<ipc>``; a watcher thread applies it lazily.
+- ``kvcached.control.set_instance_memory_limit(limit, revision=...)`` resizes the pools
+  directly and answers ``applied``/``deferred``/``stale``/``conflict``/``unavailable``/
+  ``rejected``. It is **process-local**: it only sees pools registered in the calling
+  process, i.e. it must run inside the vLLM EngineCore (scheduler) process.
+
+This module implements the second path for the ``kvcached-provider limit`` command.
+
+Where the API is called
+    * **In-process**: when the calling process itself has registered kvcached pools and its
+      ``KVCACHED_IPC_NAME`` is the requested instance (an embedding host; our tests).
+    * **Via the engine** (the normal case): the command drops a request file into a
+      per-instance mailbox (``<state dir>/mailbox/<ipc>/``); :class:`LimitResponder`, started
+      inside every vLLM process of the instance by our vLLM general plugin
+      (:mod:`kvcached_provider.activation`), claims it only in the process that holds
+      registered pools (the EngineCore), calls the API there and writes the answer.
+      No answer within the timeout -> ``unavailable`` (``no_engine_responder``): nothing was
+      applied, because the command withdraws the request before reporting.
+    The mailbox transport has been exercised with fake kvcached modules only; it has not
+    run against a real kvcached engine (kvcached cannot be installed on our CPU CI).
+
+Revisions
+    One counter per instance name, persisted atomically under a file lock in the state
+    directory (``platformdirs.user_state_path("kvcached-provider")``, override
+    ``KVCACHED_PROVIDER_STATE_DIR``). A revision is reserved and saved *before* it is sent,
+    so no two requests -- even after a crash -- ever reuse one (a reused revision with a
+    different limit is a ``conflict``). A ``stale`` answer moves the counter past the
+    revision the pools reported. An engine restart resets kvcached's revision, which a
+    higher revision from us always passes.
+
+Refusing to mix with ``kvctl`` (our design; kvcached records no owner in the segment)
+    The control record has no owner field, so ownership is inferred:
+
+    1. After each accepted limit we store, per control record of the instance
+       (``<ipc>`` and ``<ipc>_g<N>`` for other KV groups), its inode and ``total_size`` --
+       our marker. Before the next limit, a record with the same inode whose
+       ``total_size`` changed means someone wrote it (``kvctl limit``): we refuse with
+       ``rejected`` / ``kvctl_limit_detected``. A new inode means the engine restarted
+       (a new segment); the old marker is dropped.
+    2. With no marker (first limit for this segment), the process that applies the limit
+       compares each pool's record ``total_size`` with the pool's virtual capacity, which
+       is what kvcached writes at start-up (``mem_size x layers x buffers``); a difference
+       means a ``kvctl`` limit is in force -> refused the same way. ``--adopt`` skips this
+       start-up comparison for deployments where it does not hold.
+    A ``kvctl limit`` issued *after* ours cannot be prevented, only detected next time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import json
+import os
+import re
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kvcached_provider.checks import IPC_NAME_PATTERN, shm_dir
+
+__all__ = [
+    "ACCEPTED_STATES",
+    "ControlRecord",
+    "LimitError",
+    "LimitResponder",
+    "LimitResult",
+    "apply_here",
+    "parse_size",
+    "read_control_record",
+    "set_limit",
+    "state_dir",
+    "validate_ipc_name",
+]
+
+LimitStatus = Literal["applied", "deferred", "stale", "conflict", "unavailable", "rejected"]
+ACCEPTED_STATES: frozenset[str] = frozenset({"applied", "deferred"})
+_RECORD = struct.Struct("=qqq")  # total_size, used_size, prealloc_size: native int64
+_REQUEST_SCHEMA = "kvcached-provider.limit-request/1"
+_POLL_S = 0.05
+
+
+class LimitError(Exception):
+    """Bad input or unusable local state; the CLI prints it as one line and exits 2."""
+
+
+def state_dir() -> Path:
+    """Where revisions and the mailbox live (per user; shared by the CLI and the engine)."""
+    override = os.environ.get("KVCACHED_PROVIDER_STATE_DIR")
+    return Path(override) if override else platformdirs.user_state_path("kvcached-provider")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``8G``, ``1.5GiB``, ``4096`` (bytes) -> bytes; units are binary, like kvctl."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise LimitError(
+            f"size {text!r} is invalid: expected a number with an optional unit K, M, G or T "
+            "(binary multiples), e.g. 512M or 8G"
+        )
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def validate_ipc_name(name: str) -> str:
+    if not IPC_NAME_PATTERN.match(name):
+        raise LimitError(
+            f"--ipc {name!r} is invalid: expected the instance's KVCACHED_IPC_NAME, 1-64 "
+            "characters from [A-Za-z0-9_-]"
+        )
+    return name
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class LimitResult:
+    """The outcome of one limit request, as printed by the CLI and sent over the mailbox."""
+
+    status: LimitStatus
+    reason: str
+    ipc_name: str
+    limit_bytes: int
+    revision: int
+    via: str = "none"  # "in-process", "engine" or "none" (refused before sending)
+    detail: str = ""
+    effective_limit_bytes: int = 0
+    mapped_bytes: int = 0
+    remaining_bytes: int = 0
+    overage_bytes: int = 0
+    pools: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def accepted(self) -> bool:
+        return self.status in ACCEPTED_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pools"] = [dict(p) for p in self.pools]
+        return data
+
+    @classmethod
+    def from_kvcached(cls, raw: Mapping[str, Any], *, ipc_name: str, via: str) -> LimitResult:
+        """Normalise ``set_instance_memory_limit``'s answer (a plain dict)."""
+        status = str(raw.get("status", ""))
+        if status not in {"applied", "deferred", "stale", "conflict", "unavailable", "rejected"}:
+            return cls.refused(
+                ipc_name, int(raw.get("limit_bytes") or 0), int(raw.get("revision") or 0),
+                status="rejected", reason="unknown_status",
+                detail=f"kvcached answered an unknown status {status!r}", via=via,
+            )
+        return cls(
+            status=status,  # type: ignore[arg-type]  # checked against the literal above
+            reason=str(raw.get("reason") or ""),
+            ipc_name=ipc_name,
+            limit_bytes=int(raw.get("limit_bytes") or 0),
+            revision=int(raw.get("revision") or 0),
+            via=via,
+            effective_limit_bytes=int(raw.get("effective_limit_bytes") or 0),
+            mapped_bytes=int(raw.get("mapped_bytes") or 0),
+            remaining_bytes=int(raw.get("remaining_bytes") or 0),
+            overage_bytes=int(raw.get("overage_bytes") or 0),
+            pools=tuple(dict(p) for p in raw.get("pools") or ()),
+        )
+
+    @classmethod
+    def refused(
+        cls, ipc_name: str, limit_bytes: int, revision: int, *, status: LimitStatus,
+        reason: str, detail: str, via: str = "none",
+    ) -> LimitResult:
+        return cls(status=status, reason=reason, ipc_name=ipc_name, limit_bytes=limit_bytes,
+                   revision=revision, via=via, detail=detail)
+
+
+_RESULT_ADAPTER: TypeAdapter[LimitResult] = TypeAdapter(LimitResult)
+
+
+# ------------------------------------------------------------------- control records
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRecord:
+    """kvcached's per-instance shared-memory record (``/dev/shm/<name>``, 3 x int64)."""
+
+    name: str
+    inode: int
+    total_size: int
+    used_size: int
+    prealloc_size: int
+
+
+def read_control_record(name: str, directory: Path | None = None) -> ControlRecord | None:
+    """Read one record under a shared ``flock``, as kvcached's readers do; None if absent."""
+    path = (directory if directory is not None else shm_dir()) / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LimitError(f"cannot read kvcached control record {path}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        data = os.pread(fd, _RECORD.size + 1, 0)
+        inode = os.fstat(fd).st_ino
+    finally:
+        os.close(fd)  # closing drops the flock
+    if len(data) != _RECORD.size:
+        raise LimitError(
+            f"{path} is not a kvcached control record: expected {_RECORD.size} bytes, "
+            f"found {len(data)}"
+        )
+    total, used, prealloc = _RECORD.unpack(data)
+    return ControlRecord(name, inode, total, used, prealloc)
+
+
+def _instance_records(ipc: str, directory: Path | None = None) -> dict[str, ControlRecord]:
+    """The records of an instance: ``<ipc>`` (group 0) and ``<ipc>_g<N>`` (other groups)."""
+    base = directory if directory is not None else shm_dir()
+    names = [ipc]
+    with contextlib.suppress(OSError):
+        names += sorted(p.name for p in base.glob(f"{ipc}_g*") if re.fullmatch(
+            re.escape(ipc) + r"_g\d+", p.name))
+    records = {}
+    for name in names:
+        record = read_control_record(name, base)
+        if record is not None:
+            records[name] = record
+    return records
+
+
+def _record_name(ipc: str, group_id: int) -> str:
+    return ipc if group_id == 0 else f"{ipc}_g{group_id}"
+
+
+# ------------------------------------------------------------------------ revisions
+
+
+class _RecordMark(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    inode: int
+    total_size: int
+
+
+class _Instance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    revision: int = Field(ge=0)
+    limit_bytes: int | None = None
+    status: str | None = None
+    records: dict[str, _RecordMark] = Field(default_factory=dict)
+
+
+class _State(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    instances: dict[str, _Instance] = Field(default_factory=dict)
+
+
+class _RevisionStore:
+    """``instances.json`` in the state directory; every change under ``instances.lock``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / "instances.json"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.directory / "instances.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise LimitError(
+                f"cannot use state directory {self.directory}: {exc.strerror}; set "
+                "KVCACHED_PROVIDER_STATE_DIR to a writable directory"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def load(self) -> _State:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return _State()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LimitError(f"cannot read {self.path}: {exc}") from exc
+        try:
+            return _State.model_validate_json(text)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "document"
+            raise LimitError(
+                f"{self.path} is not a kvcached-provider state file (schema 1): {where}: "
+                f"{first['msg']}; move it away to start the revision counters afresh"
+            ) from exc
+
+    def save(self, state: _State) -> None:
+        """Atomic replace: a temp file in the same directory, fsync, ``os.replace``."""
+        payload = json.dumps(state.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=".instances-", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+def _marks(records: Mapping[str, ControlRecord]) -> dict[str, _RecordMark]:
+    return {n: _RecordMark(inode=r.inode, total_size=r.total_size) for n, r in records.items()}
+
+
+def _kvctl_change(
+    entry: _Instance | None, records: Mapping[str, ControlRecord], shm: Path
+) -> tuple[str | None, bool]:
+    """(violation text or None, whether a marker for the live segment exists)."""
+    if entry is None or not entry.records:
+        return None, False
+    has_marker = False
+    for name, mark in entry.records.items():
+        record = records.get(name)
+        if record is None or record.inode != mark.inode:
+            continue  # segment gone or recreated (engine restarted): marker no longer applies
+        has_marker = True
+        if record.total_size != mark.total_size:
+            return (
+                f"control record {shm / name} holds total_size {record.total_size} bytes but "
+                f"held {mark.total_size} after our revision {entry.revision}: a `kvctl limit` "
+                "was applied to this instance, and mixing the two limit paths makes kvcached "
+                "re-apply the kvctl limit while reporting ours; keep using kvctl for this "
+                "instance, or restart the engine before using kvcached-provider",
+                True,
+            )
+    return None, has_marker
+
+
+# ------------------------------------------------------------- applying in a process
+
+
+def _registered_managers() -> list[Any]:
+    registry = sys.modules.get("kvcached.pool_registry")
+    getter = getattr(registry, "get_registered_kv_cache_pools", None)
+    if getter is None:
+        return []
+    try:
+        return [pair[0] for pair in getter()]
+    except Exception:
+        return []
+
+
+def _serves(ipc: str) -> bool:
+    """Does this process hold the pools of instance ``ipc``?"""
+    return os.environ.get("KVCACHED_IPC_NAME") == ipc and bool(_registered_managers())
+
+
+def _startup_violation(ipc: str, shm: Path) -> str | None:
+    for manager in _registered_managers():
+        group = int(getattr(manager, "group_id", 0) or 0)
+        capacity = (int(manager.mem_size) * int(manager.num_layers)
+                    * int(manager.num_kv_buffers))
+        record = read_control_record(_record_name(ipc, group), shm)
+        if record is not None and record.total_size != capacity:
+            return (
+                f"control record {shm / record.name} holds total_size {record.total_size} "
+                f"bytes, not the pool's virtual capacity {capacity}, and no revisioned limit "
+                "of ours is recorded for it: a `kvctl limit` is in force on this instance; "
+                "keep using kvctl for it, or pass --adopt if that total is not a kvctl limit"
+            )
+    return None
+
+
+def apply_here(
+    ipc: str, limit_bytes: int, revision: int, *, check_startup: bool, via: str = "in-process",
+    shm: Path | None = None,
+) -> LimitResult:
+    """Call kvcached's revisioned API in this process (must hold the instance's pools)."""
+    shm_path = shm if shm is not None else shm_dir()
+    try:
+        control = sys.modules.get("kvcached.control") or importlib.import_module(
+            "kvcached.control")
+    except Exception as exc:
+        return LimitResult.refused(ipc, limit_bytes, revision, status="unavailable",
+                                   reason="kvcached_not_importable", detail=str(exc), via=via)
+    if check_startup:
+        violation = _startup_violation(ipc, shm_path)
+        if violation is not None:
+            return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
+                                       reason="kvctl_limit_detected", detail=violation, via=via)
+    try:
+        raw = control.set_instance_memory_limit(limit_bytes, revision=revision)
+    except ValueError as exc:
+        return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
+                                   reason="invalid_request", detail=str(exc), via=via)
+    return LimitResult.from_kvcached(raw, ipc_name=ipc, via=via)
+
+
+# ------------------------------------------------------------------------- mailbox
+
+
+def _mailbox(ipc: str, directory: Path | None = None) -> Path:
+    return (directory if directory is not None else state_dir()) / "mailbox" / ipc
+
+
+def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _wait_for(path: Path, deadline: float) -> dict[str, Any] | None:
+    while True:
+        try:
+            data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            data = {}
+        if data:
+            return data
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
+def _via_engine(
+    ipc: str, limit_bytes: int, revision: int, *, check_startup: bool, timeout_s: float,
+    directory: Path,
+) -> LimitResult:
+    box = _mailbox(ipc, directory)
+    box.mkdir(parents=True, exist_ok=True, mode=0o700)
+    request = box / f"req-{revision}.json"
+    answer = box / f"ans-{revision}.json"
+    _write_json_atomic(request, {
+        "schema": _REQUEST_SCHEMA, "ipc_name": ipc, "limit_bytes": limit_bytes,
+        "revision": revision, "check_startup": check_startup,
+    })
+    data = _wait_for(answer, time.monotonic() + timeout_s)
+    if data is None:
+        try:
+            request.unlink()  # withdraw: an unclaimed request must not apply later
+        except FileNotFoundError:
+            # Claimed meanwhile: the engine is applying it; give it one more timeout.
+            data = _wait_for(answer, time.monotonic() + timeout_s)
+            if data is None:
+                return LimitResult.refused(
+                    ipc, limit_bytes, revision, status="unavailable",
+                    reason="engine_claimed_request_without_answer", via="engine",
+                    detail=f"the engine claimed revision {revision} but did not answer within "
+                           f"{2 * timeout_s:g} s; the limit may be in force -- retrying uses "
+                           "a higher revision and is safe",
+                )
+        else:
+            return LimitResult.refused(
+                ipc, limit_bytes, revision, status="unavailable", reason="no_engine_responder",
+                via="engine",
+                detail=f"no engine process of instance {ipc!r} answered within {timeout_s:g} s "
+                       "(is the engine running with org.vllm-hust.kvcached enabled, so that "
+                       "its vLLM plugin serves limit requests?); nothing was applied",
+            )
+    with contextlib.suppress(FileNotFoundError):
+        answer.unlink()
+    try:
+        return _RESULT_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        raise LimitError(f"{answer} is not a valid limit answer: {exc.errors()[0]['msg']}") from exc
+
+
+class LimitResponder:
+    """Serves limit requests for instance ``ipc`` from inside an engine process.
+
+    Runs in every vLLM process of the instance but claims requests only where kvcached
+    pools are registered (the EngineCore), so exactly one process applies each request.
+    Claiming is an atomic ``rename``, which also settles races with a withdrawing client.
+    """
+
+    def __init__(self, ipc: str, *, directory: Path | None = None, shm: Path | None = None,
+                 poll_s: float = 0.2) -> None:
+        self.ipc = validate_ipc_name(ipc)
+        self.directory = directory if directory is not None else state_dir()
+        self.shm = shm
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll_once(self) -> int:
+        """Answer pending requests; returns how many were answered."""
+        if not _serves(self.ipc):
+            return 0
+        box = _mailbox(self.ipc, self.directory)
+        try:
+            pending = sorted(box.glob("req-*.json"))
+        except OSError:
+            return 0
+        answered = 0
+        for request in pending:
+            claimed = request.with_name(f"claimed-{request.stem[4:]}-{os.getpid()}.json")
+            try:
+                os.rename(request, claimed)
+            except FileNotFoundError:
+                continue  # withdrawn by the client or claimed by another process
+            self._answer(claimed)
+            answered += 1
+        return answered
+
+    def _answer(self, claimed: Path) -> None:
+        try:
+            body = json.loads(claimed.read_text(encoding="utf-8"))
+            if body.get("schema") != _REQUEST_SCHEMA or body.get("ipc_name") != self.ipc:
+                raise ValueError("unexpected request schema or instance")
+            revision = int(body["revision"])
+            result = apply_here(self.ipc, int(body["limit_bytes"]), revision,
+                                check_startup=bool(body.get("check_startup")), via="engine",
+                                shm=self.shm)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            match = re.search(r"claimed-(\d+)-", claimed.name)
+            revision = int(match.group(1)) if match else 0
+            result = LimitResult.refused(self.ipc, 0, revision, status="rejected",
+                                         reason="invalid_request", detail=str(exc), via="engine")
+        _write_json_atomic(claimed.with_name(f"ans-{result.revision}.json"), result.to_dict())
+        with contextlib.suppress(FileNotFoundError):
+            claimed.unlink()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvcached-provider-limits",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll_once()
+            except Exception:  # never kill the engine over a malformed mailbox
+                continue
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def set_limit(
+    ipc: str, limit_bytes: int, *, timeout_s: float = 5.0, adopt: bool = False,
+    directory: Path | None = None, shm: Path | None = None,
+) -> LimitResult:
+    """Apply ``limit_bytes`` to instance ``ipc`` with the next revision; see the module doc."""
+    validate_ipc_name(ipc)
+    if limit_bytes < 0:
+        raise LimitError(f"limit {limit_bytes} is invalid: expected a non-negative size")
+    base = directory if directory is not None else state_dir()
+    shm_path = shm if shm is not None else shm_dir()
+    store = _RevisionStore(base)
+    with store.locked():
+        state = store.load()
+        entry = state.instances.get(ipc)
+        revision = entry.revision + 1 if entry is not None else 1
+        violation, has_marker = _kvctl_change(entry, _instance_records(ipc, shm_path), shm_path)
+        if violation is not None:
+            return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
+                                       reason="kvctl_limit_detected", detail=violation)
+        entry = entry or _Instance(revision=0)
+        # Reserve the revision before sending it, so that it is never reused.
+        entry = entry.model_copy(update={"revision": revision})
+        state.instances[ipc] = entry
+        store.save(state)
+        check_startup = not has_marker and not adopt
+        if _serves(ipc):
+            result = apply_here(ipc, limit_bytes, revision, check_startup=check_startup,
+                                shm=shm_path)
+        else:
+            result = _via_engine(ipc, limit_bytes, revision, check_startup=check_startup,
+                                 timeout_s=timeout_s, directory=base)
+        update: dict[str, Any] = {"limit_bytes": limit_bytes, "status": result.status}
+        if result.accepted:
+            update["records"] = _marks(_instance_records(ipc, shm_path))
+        if result.status == "stale":
+            seen = [int(p.get("revision", 0) or 0) for p in result.pools]
+            update["revision"] = max([revision, *seen])
+        state.instances[ipc] = entry.model_copy(update=update)
+        store.save(state)
+    return result

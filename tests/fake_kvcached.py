@@ -1,0 +1,261 @@
+"""A fake of kvcached's Python API, at the module boundary, for ``kvcached_provider`` tests.
+
+kvcached cannot be installed here (sdists only; the build needs a CUDA/ROCm torch and the
+GPU toolkit), so tests insert these fakes into ``sys.modules`` as ``kvcached``,
+``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C``. Their behaviour
+follows ``shared/specs/kvcached-notes.md`` (sections 2.1-2.3): page/block bookkeeping, the
+shrink rules, the per-pool revision rules (stale / idempotent / conflict / apply, with
+``deferred`` when in-use pages exceed the target and ``rejected`` when quarantined pages
+prevent a resize), the instance-level split, status precedence and result keys.
+Written from the spec; it shares no code with kvcached.
+
+The control record helpers write real 24-byte records (three native int64) into a
+directory standing in for ``/dev/shm``, like kvcached at start-up and ``kvctl limit``.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import types
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_STATUS_ORDER = ("conflict", "stale", "rejected", "deferred", "applied")
+_REASONS = {
+    "deferred": "inuse_capacity_above_limit",
+    "conflict": "revision_reused_with_different_limit",
+    "rejected": "quarantined_pages_prevent_resize",
+}
+
+
+class FakePageAllocator:
+    def __init__(self, manager: FakeKVCacheManager, physical_free_pages: int) -> None:
+        self.manager = manager
+        self.physical_free_pages = physical_free_pages
+        self.physical_queries = 0
+
+    def group_indices_by_page(self, indices: Iterable[int], block_mem_size: int
+                              ) -> dict[int, list[int]]:
+        per_page = self.manager.page_size // block_mem_size
+        grouped: dict[int, list[int]] = {}
+        for index in indices:
+            grouped.setdefault(index // per_page, []).append(index)
+        return grouped
+
+    def get_avail_physical_pages(self) -> int:
+        self.physical_queries += 1
+        return self.physical_free_pages
+
+
+class FakeKVCacheManager:
+    """One pool: ``num_blocks`` blocks of ``block_mem_size`` bytes per layer and buffer."""
+
+    def __init__(self, *, num_blocks: int = 64, block_mem_size: int = 1 << 16,
+                 page_size: int = 1 << 20, num_layers: int = 4, num_kv_buffers: int = 2,
+                 group_id: int = 0, pool_name: str | None = "block_pool",
+                 physical_free_pages: int = 1000) -> None:
+        self.block_mem_size = block_mem_size
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_buffers = num_kv_buffers
+        self.group_id = group_id
+        self.pool_name = pool_name
+        self.mem_size = num_blocks * block_mem_size  # virtual bytes per layer and buffer
+        self.blocks_per_page = page_size // block_mem_size
+        self.capacity_pages = self.mem_size // page_size
+        self.allocated: set[int] = set()
+        self.in_shrink = False
+        self.target_num_blocks: int | None = None
+        self.quarantined = False
+        self.page_allocator = FakePageAllocator(self, physical_free_pages)
+        self._revision = -1
+        self._limit: int | None = None
+        self._effective: int | None = None
+
+    # -- block bookkeeping
+    def _page(self, block: int) -> int:
+        return block // self.blocks_per_page
+
+    def inuse_pages(self) -> int:
+        return len({self._page(b) for b in self.allocated})
+
+    def available_size(self) -> int:
+        holes = self.inuse_pages() * self.blocks_per_page - len(self.allocated)
+        if self.in_shrink:
+            return holes  # only holes in mapped pages while shrinking
+        fresh = min(self.capacity_pages - self.inuse_pages(),
+                    self.page_allocator.physical_free_pages)
+        return holes + max(0, fresh) * self.blocks_per_page
+
+    def alloc(self, n: int) -> list[int] | None:
+        if self.available_size() < n:
+            return None
+        inuse = {self._page(b) for b in self.allocated}
+        free = [b for b in range(self.capacity_pages * self.blocks_per_page)
+                if b not in self.allocated and (not self.in_shrink or self._page(b) in inuse)]
+        taken = free[:n]
+        self.allocated.update(taken)
+        return taken
+
+    def free(self, ids: Iterable[int]) -> None:
+        self.allocated.difference_update(ids)
+        if self.in_shrink and self.target_num_blocks is not None:
+            target_pages = self.target_num_blocks // self.blocks_per_page
+            if self.inuse_pages() <= target_pages:  # enough whole pages are empty
+                self.capacity_pages = target_pages
+                self.in_shrink = False
+                self.target_num_blocks = None
+
+    def get_page_occupancy(self, page_ids: Iterable[int]) -> dict[int, int]:
+        return {p: sum(1 for b in self.allocated if self._page(b) == p) for p in page_ids}
+
+    # -- revisioned limits
+    def _bundle(self) -> int:
+        return self.page_size * self.num_layers * self.num_kv_buffers
+
+    def memory_limit_state(self, status: str | None = None) -> dict[str, Any]:
+        mapped = self.inuse_pages() * self._bundle()
+        status = status or ("deferred" if self.in_shrink else "applied")
+        eff = self._effective
+        return {
+            "status": status, "reason": _REASONS.get(status, ""),
+            "pool_name": str(self.pool_name or ""), "group_id": self.group_id,
+            "limit_bytes": self._limit, "effective_limit_bytes": eff,
+            "current_capacity_bytes": self.capacity_pages * self._bundle(),
+            "revision": self._revision, "mapped_bytes": mapped,
+            "remaining_bytes": None if eff is None else max(0, eff - mapped),
+            "overage_bytes": 0 if eff is None else max(0, mapped - eff),
+        }
+
+    def set_memory_limit(self, limit_bytes: int, *, revision: int) -> dict[str, Any]:
+        limit_bytes, revision = int(limit_bytes), int(revision)
+        if limit_bytes < 0:
+            raise ValueError("limit_bytes must be non-negative")
+        if revision < 0:
+            raise ValueError("revision must be non-negative")
+        if revision < self._revision:
+            return self.memory_limit_state("stale")
+        if revision == self._revision:
+            return self.memory_limit_state(None if limit_bytes == self._limit else "conflict")
+        target_pages = min(limit_bytes // self._bundle(), self.mem_size // self.page_size)
+        self._revision, self._limit = revision, limit_bytes
+        self._effective = target_pages * self._bundle()
+        if self.quarantined:
+            return self.memory_limit_state("rejected")
+        if self.inuse_pages() > target_pages:
+            self.in_shrink = True
+            self.target_num_blocks = target_pages * self.blocks_per_page
+        else:
+            self.capacity_pages = target_pages
+            self.in_shrink = False
+            self.target_num_blocks = None
+        return self.memory_limit_state()
+
+
+def set_instance_memory_limit(limit_bytes: int, *, revision: int,
+                              registry: FakeRegistry | None = None) -> dict[str, Any]:
+    limit_bytes, revision = int(limit_bytes), int(revision)
+    if limit_bytes < 0:
+        raise ValueError("limit_bytes must be non-negative")
+    if revision < 0:
+        raise ValueError("revision must be non-negative")
+    pools = sorted((m for m, _ in (registry or _REGISTRY).get()),
+                   key=lambda m: (m.pool_name or "", m.group_id))
+    if not pools:
+        return {"status": "unavailable", "reason": "no_registered_kv_cache_pool",
+                "limit_bytes": limit_bytes, "effective_limit_bytes": 0, "revision": revision,
+                "mapped_bytes": 0, "remaining_bytes": 0, "overage_bytes": 0, "pools": []}
+    sizes = [m.mem_size * m.num_layers * m.num_kv_buffers for m in pools]
+    total = sum(sizes)
+    if total <= 0:
+        raise ValueError("registered KV pools have no virtual capacity")
+    budget = min(limit_bytes, total)
+    left = budget
+    states = []
+    for i, (manager, size) in enumerate(zip(pools, sizes, strict=True)):
+        share = left if i == len(pools) - 1 else min(left, budget * size // total)
+        states.append(manager.set_memory_limit(share, revision=revision))
+        left -= share
+    found = {s["status"] for s in states}
+    status = next(s for s in _STATUS_ORDER if s in found or s == "applied")
+    mapped = sum(int(s["mapped_bytes"]) for s in states)
+    effective = sum(int(s["effective_limit_bytes"] or 0) for s in states)
+    return {"status": status, "reason": _REASONS.get(status, ""), "limit_bytes": limit_bytes,
+            "effective_limit_bytes": effective, "revision": revision, "mapped_bytes": mapped,
+            "remaining_bytes": max(0, effective - mapped),
+            "overage_bytes": max(0, mapped - effective), "pools": states}
+
+
+class FakeRegistry:
+    def __init__(self) -> None:
+        self.pools: list[tuple[FakeKVCacheManager, str | None]] = []
+
+    def get(self, *, integration: str | None = None) -> list[tuple[Any, str | None]]:
+        return [p for p in self.pools if integration is None or p[1] == integration]
+
+
+_REGISTRY = FakeRegistry()
+
+
+class FakeKvcached:
+    """Handle returned by :func:`install`: register pools, reach the fake modules."""
+
+    def __init__(self) -> None:
+        self.registry = _REGISTRY
+        self.registry.pools.clear()
+
+    def register(self, manager: FakeKVCacheManager) -> FakeKVCacheManager:
+        self.registry.pools.append((manager, "vllm"))
+        return manager
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
+    """Put fake kvcached modules into ``sys.modules`` for one test (undone afterwards)."""
+    handle = FakeKvcached()
+    package = types.ModuleType("kvcached")
+    package.__path__ = []
+    package.__version__ = "0.1.6"  # type: ignore[attr-defined]
+    control = types.ModuleType("kvcached.control")
+    control.set_instance_memory_limit = (  # type: ignore[attr-defined]
+        lambda limit_bytes, *, revision: set_instance_memory_limit(limit_bytes,
+                                                                   revision=revision))
+    registry = types.ModuleType("kvcached.pool_registry")
+    registry.get_registered_kv_cache_pools = _REGISTRY.get  # type: ignore[attr-defined]
+    registry.register_kv_cache_pool = (  # type: ignore[attr-defined]
+        lambda manager, *, integration=None: _REGISTRY.pools.append((manager, integration)))
+    registry.clear_registered_kv_cache_pools = (  # type: ignore[attr-defined]
+        lambda *, integration=None: _REGISTRY.pools.clear())
+    native = types.ModuleType("kvcached._C")
+    for name, module in {"kvcached": package, "kvcached.control": control,
+                         "kvcached.pool_registry": registry, "kvcached._C": native}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(package, "control", control, raising=False)
+    monkeypatch.setattr(package, "pool_registry", registry, raising=False)
+    return handle
+
+
+_RECORD = struct.Struct("=qqq")
+
+
+def write_record(shm: Path, name: str, total_size: int, used_size: int = 0,
+                 *, replace: bool = False) -> Path:
+    """Write a control record in place (``kvctl limit``) or as a new file (an engine start)."""
+    path = shm / name
+    data = _RECORD.pack(total_size, used_size, 0)
+    if replace or not path.exists():
+        # Created beside the old file and renamed over it, so the inode always differs.
+        fresh = shm / f".{name}.new"
+        fresh.write_bytes(data)
+        fresh.replace(path)
+    else:
+        with path.open("r+b") as handle:
+            handle.write(data)
+    return path
+
+
+def virtual_total(manager: FakeKVCacheManager) -> int:
+    return manager.mem_size * manager.num_layers * manager.num_kv_buffers

@@ -1,0 +1,289 @@
+"""``kvcached_provider.checks``: every pre-launch check, and each failure message's advice.
+
+kvcached cannot be installed here (sdists only, needs a CUDA/ROCm torch), so the installed
+state is faked at the metadata boundary: throw-away ``*.dist-info`` directories (METADATA +
+RECORD) for ``kvcached``, ``torch`` and ``vllm`` are put first on ``sys.path``, which is
+exactly what ``importlib.metadata`` reads; no kvcached module is imported or faked. The
+torch subprocess probe is replaced by a stub where a test needs one. Guarded: each failure
+names what is missing and how to fix it; successes are reported; ``check()`` imports neither
+kvcached, torch nor vLLM; one failing probe cannot hide the others.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcached_provider import checks
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = json.loads(
+    (ROOT / "manifests/kvcached/vllm-hust-extension-v0.2.json").read_text(encoding="utf-8"))
+
+
+def fake_dist(site: Path, name: str, version: str, files: dict[str, bytes] | None = None
+              ) -> None:
+    """A minimal installed distribution: METADATA, RECORD and the listed files."""
+    info = site / f"{name}-{version.split('+')[0]}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    record = [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    for rel, content in (files or {}).items():
+        target = site / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+        record.append(f"{rel},,")
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "site"
+    directory.mkdir()
+    monkeypatch.syspath_prepend(str(directory))
+    return directory
+
+
+# ---------------------------------------------------------------- kvcached version
+
+
+def test_kvcached_missing(tmp_path: Path) -> None:
+    ok, line = checks.check_kvcached_version()  # not installed on this machine
+    assert not ok
+    assert line.startswith("kvcached is not installed;")
+    assert "pip install 'kvcached>=0.1.6' --no-build-isolation" in line
+    assert "CUDA or ROCm build of torch" in line
+
+
+def test_kvcached_too_old(site: Path) -> None:
+    fake_dist(site, "kvcached", "0.1.5")
+    ok, line = checks.check_kvcached_version()
+    assert not ok
+    assert line.startswith("kvcached 0.1.5 is older than 0.1.6")
+    assert "pip install -U 'kvcached>=0.1.6' --no-build-isolation" in line
+
+
+def test_kvcached_recent_enough(site: Path) -> None:
+    fake_dist(site, "kvcached", "0.1.6")
+    assert checks.check_kvcached_version() == (True, "kvcached 0.1.6 is installed (>= 0.1.6)")
+
+
+# ----------------------------------------------------------------- compiled module
+
+
+def test_compiled_module_without_kvcached() -> None:
+    ok, line = checks.check_compiled_module()
+    assert not ok
+    assert "compiled module (kvcached/_C) cannot be found because kvcached is not installed" \
+        in line
+
+
+def test_compiled_module_missing_from_install(site: Path) -> None:
+    fake_dist(site, "kvcached", "0.1.6", {"kvcached/__init__.py": b""})
+    ok, line = checks.check_compiled_module()
+    assert not ok
+    assert "kvcached 0.1.6 is installed without its compiled module" in line
+    assert "kvcached/_C.*.so" in line
+    assert "pip install --force-reinstall --no-build-isolation" in line
+    assert "toolkit (nvcc/hipcc) is on PATH" in line
+
+
+def test_compiled_module_present(site: Path) -> None:
+    fake_dist(site, "kvcached", "0.1.6",
+              {"kvcached/__init__.py": b"", "kvcached/_C.abi3.so": b"\x7fELF"})
+    ok, line = checks.check_compiled_module()
+    assert ok and line.endswith("kvcached/_C.abi3.so")
+
+
+def test_compiled_module_before_016_is_vmm_ops(site: Path) -> None:
+    fake_dist(site, "kvcached", "0.1.5", {"kvcached/vmm_ops.cpython-311-x86_64-linux-gnu.so":
+                                          b"\x7fELF"})
+    assert checks.check_compiled_module()[0]
+
+
+def test_compiled_module_editable_install(site: Path) -> None:
+    """Editable RECORDs list no package files: the package directory is searched instead."""
+    fake_dist(site, "kvcached", "0.1.6")
+    (site / "kvcached").mkdir()
+    (site / "kvcached/__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (site / "kvcached/_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    assert checks.check_compiled_module()[0]
+    assert "kvcached" not in sys.modules
+
+
+# ------------------------------------------------------------------- autopatch .pth
+
+
+def test_autopatch_pth_missing(tmp_path: Path) -> None:
+    ok, line = checks.check_autopatch_pth([tmp_path])
+    assert not ok
+    assert line.startswith(f"kvcached_autopatch.pth is missing from site-packages ({tmp_path})")
+    assert "ENABLE_KVCACHED and KVCACHED_AUTOPATCH silently do nothing" in line
+    assert not checks.check_autopatch_pth()[0]  # this interpreter's site-packages
+
+
+def test_autopatch_pth_present(tmp_path: Path) -> None:
+    (tmp_path / "kvcached_autopatch.pth").write_text("import os\n")
+    assert checks.check_autopatch_pth([tmp_path / "x", tmp_path]) == (
+        True, f"kvcached_autopatch.pth is present in {tmp_path}")
+
+
+# ---------------------------------------------------------------------- torch build
+
+
+def test_torch_cpu_build_here() -> None:
+    ok, line = checks.check_torch_backend()  # the venv has torch 2.x+cpu
+    assert not ok
+    assert "is a CPU-only build" in line
+    assert "https://download.pytorch.org/whl/cu128" in line
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("2.9.0+cu128", "torch 2.9.0+cu128 is a CUDA build"),
+    ("2.9.0+rocm6.3", "torch 2.9.0+rocm6.3 is a ROCm build"),
+])
+def test_torch_gpu_builds(site: Path, version: str, expected: str) -> None:
+    fake_dist(site, "torch", version)
+    assert checks.check_torch_backend() == (True, expected)
+
+
+def test_torch_without_local_tag_is_probed(site: Path) -> None:
+    fake_dist(site, "torch", "2.9.0")
+    assert checks.check_torch_backend(lambda _t: ("12.8", None)) == (
+        True, "torch 2.9.0 is a CUDA 12.8 build")
+    assert checks.check_torch_backend(lambda _t: (None, "6.3.1")) == (
+        True, "torch 2.9.0 is a ROCm (HIP 6.3.1) build")
+    ok, line = checks.check_torch_backend(lambda _t: (None, None))
+    assert not ok and "torch 2.9.0 is a CPU-only build (no CUDA or HIP version)" in line
+    ok, line = checks.check_torch_backend(lambda _t: "probing torch timed out after 60 s")
+    assert not ok
+    assert "cannot tell whether torch 2.9.0 is a GPU build (probing torch timed out" in line
+
+
+def test_torch_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = checks._distribution
+    monkeypatch.setattr(checks, "_distribution",
+                        lambda name: None if name == "torch" else real(name))
+    ok, line = checks.check_torch_backend()
+    assert not ok and line.startswith("torch is not installed; kvcached needs a GPU build")
+
+
+def test_torch_probe_reports_cpu_here() -> None:
+    """The real probe, in a child interpreter with a timeout, on this CPU-only torch."""
+    assert checks._probe_torch_backend(120.0) == (None, None)
+
+
+# ----------------------------------------------------------------------- vLLM range
+
+
+def test_vllm_outside_range_here() -> None:
+    ok, line = checks.check_vllm_range()  # vLLM 0.33.0 is installed
+    assert not ok
+    assert line.startswith("vLLM 0.33.0 is outside kvcached's supported range "
+                           ">=0.17.0.dev0,<0.31")
+    assert "tested up to vLLM 0.30" in line
+    assert "vllm-hust-ext extension disable org.vllm-hust.kvcached" in line
+
+
+def test_vllm_hust_prerelease_inside_range(site: Path) -> None:
+    fake_dist(site, "vllm", "0.28.1rc1.dev319+g199e0bd")
+    ok, line = checks.check_vllm_range(MANIFEST["host"]["version_range"])
+    assert ok, line
+
+
+def test_vllm_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = checks._distribution
+    monkeypatch.setattr(checks, "_distribution",
+                        lambda name: None if name == "vllm" else real(name))
+    ok, line = checks.check_vllm_range()
+    assert not ok and line.startswith("vLLM is not installed; kvcached patches vLLM")
+
+
+# ------------------------------------------------------------------------ /dev/shm
+
+
+def test_shm_writable(tmp_path: Path) -> None:
+    assert checks.check_shm_writable(tmp_path) == (True, f"{tmp_path} is writable")
+    assert not list(tmp_path.iterdir())
+
+
+def test_shm_missing(tmp_path: Path) -> None:
+    ok, line = checks.check_shm_writable(tmp_path / "nope")
+    assert not ok
+    assert "does not exist or is not a directory" in line and "--shm-size" in line
+
+
+def test_shm_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(**_: object) -> tuple[int, str]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checks.tempfile, "mkstemp", refuse)
+    ok, line = checks.check_shm_writable(tmp_path)
+    assert not ok
+    assert line.startswith(f"{tmp_path} is not writable (Permission denied)")
+    assert "mount a writable tmpfs at /dev/shm" in line
+
+
+# ------------------------------------------------------------------ KVCACHED_IPC_NAME
+
+
+def test_ipc_name_rules(tmp_path: Path) -> None:
+    [(ok, line)] = checks.check_ipc_name(None, tmp_path)
+    assert not ok and line.startswith("KVCACHED_IPC_NAME is not set")
+    [(ok, line)] = checks.check_ipc_name("has space", tmp_path)
+    assert not ok
+    assert "KVCACHED_IPC_NAME 'has space' is invalid: expected 1-64 characters" in line
+    assert 'vllm-hust-ext extension configure org.vllm-hust.kvcached --file F' in line
+    assert checks.check_ipc_name("a" * 65, tmp_path)[0][0] is False
+    lines = checks.check_ipc_name("vllm_hust_kvcached", tmp_path)
+    assert all(ok for ok, _ in lines) and "bundle default" in lines[1][1]
+    (tmp_path / "llama-8000").write_bytes(b"\0" * 24)
+    lines = checks.check_ipc_name("llama-8000", tmp_path)
+    assert [ok for ok, _ in lines] == [True, True]
+    assert "already exists" in lines[1][1] and "kvctl delete llama-8000" in lines[1][1]
+
+
+# ------------------------------------------------------------------------- check()
+
+
+def test_check_on_this_machine_fails_with_every_reason() -> None:
+    lines = checks.check(MANIFEST, {"environment": {"KVCACHED_IPC_NAME": "llama-8000"}})
+    failed = [line for ok, line in lines if not ok]
+    assert [line.split(" ")[0] for line in failed] == [
+        "kvcached", "kvcached's", "kvcached_autopatch.pth", "torch", "vLLM"]
+    assert (True, "KVCACHED_IPC_NAME is 'llama-8000'") in lines
+
+
+def test_check_survives_a_broken_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom() -> tuple[bool, str]:
+        raise RuntimeError("metadata exploded")
+
+    monkeypatch.setattr(checks, "check_kvcached_version", boom)
+    lines = checks.check(MANIFEST, {})
+    assert lines[0] == (False, "kvcached version check failed unexpectedly: metadata exploded")
+    assert len(lines) >= 7
+
+
+def test_check_imports_no_heavy_module() -> None:
+    code = (
+        "import json, sys\n"
+        "from kvcached_provider.checks import check\n"
+        f"check(json.loads({json.dumps(json.dumps(MANIFEST))}), {{}})\n"
+        "print(sorted(m for m in ('kvcached', 'torch', 'vllm') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_cli_check_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcached_provider.cli import main
+
+    assert main(["check", "--ipc", "llama-8000"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL ") == 5
+    assert out.rstrip().endswith("org.vllm-hust.kvcached: 5 check(s) failed")

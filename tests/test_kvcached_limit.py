@@ -1,0 +1,269 @@
+"""``kvcached-provider limit``: result states, revision handling, and refusing to mix with kvctl.
+
+kvcached cannot be installed here, so these tests fake it at the module boundary: fake
+``kvcached``, ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C`` modules
+(``tests/fake_kvcached.py``, behaviour from the kvcached spec: revision rules, status
+precedence, result keys) are put into ``sys.modules``; the ``/dev/shm`` control records are
+real 24-byte files in a temporary directory. Guarded: every printed state (applied, deferred,
+stale, conflict, unavailable, rejected) and its exit code; revisions persisted atomically,
+never reused (also across concurrent commands), advanced past a stale answer; refusal when a
+``kvctl`` limit changed the control record or is in force on first use; the engine-side
+responder answering a command run in another process; bad input as one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcached_provider import activation
+from kvcached_provider.cli import main
+from kvcached_provider.limit import LimitError, LimitResponder, parse_size, set_limit
+from tests.fake_kvcached import (
+    FakeKvcached,
+    FakeKVCacheManager,
+    install,
+    virtual_total,
+    write_record,
+)
+
+IPC = "inst1"
+BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
+
+
+@pytest.fixture
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    state, shm = tmp_path / "state", tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("KVCACHED_PROVIDER_STATE_DIR", str(state))
+    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", str(shm))
+    monkeypatch.setenv("KVCACHED_IPC_NAME", IPC)
+    return state, shm
+
+
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
+    return install(monkeypatch)
+
+
+@pytest.fixture
+def pool(kv: FakeKvcached, dirs: tuple[Path, Path]) -> FakeKVCacheManager:
+    """One registered pool of 4 pages, with the control record kvcached writes at start-up."""
+    manager = kv.register(FakeKVCacheManager(num_blocks=64))
+    write_record(dirs[1], IPC, virtual_total(manager))
+    return manager
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["limit", "--ipc", IPC, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def stored(state: Path) -> dict[str, object]:
+    data: dict[str, object] = json.loads((state / "instances.json").read_text())["instances"][IPC]
+    return data
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512M", 512 << 20), ("8G", 8 << 30), ("8g", 8 << 30), ("1.5GiB", 3 << 29),
+    ("4096", 4096), ("2T", 2 << 40), ("64KB", 64 << 10), ("0", 0),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "1 2G"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(LimitError, match="expected a number with an optional unit"):
+        parse_size(text)
+
+
+def test_applied_then_next_revision(pool: FakeKVCacheManager, dirs: tuple[Path, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "16M")
+    assert code == 0
+    assert out.split()[0] == "applied"
+    assert "revision=1" in out and "via=in-process" in out
+    assert pool.capacity_pages == 2
+    entry = stored(dirs[0])
+    assert entry["revision"] == 1 and entry["status"] == "applied"
+    assert entry["records"] == {IPC: {"inode": os.stat(dirs[1] / IPC).st_ino,
+                                      "total_size": virtual_total(pool)}}
+    code, out, _ = run(capsys, "--json", "24M")
+    result = json.loads(out)
+    assert code == 0 and result["status"] == "applied" and result["revision"] == 2
+    assert result["effective_limit_bytes"] == 3 * BUNDLE
+    assert not list(dirs[0].glob(".instances-*"))  # atomic writes leave no temp file
+
+
+def test_deferred_is_accepted(pool: FakeKVCacheManager, capsys: pytest.CaptureFixture[str]
+                              ) -> None:
+    assert pool.alloc(40) is not None  # 3 pages in use
+    code, out, _ = run(capsys, "8M")
+    assert code == 0
+    assert out.split()[0] == "deferred" and "reason=inuse_capacity_above_limit" in out
+    assert pool.in_shrink
+
+
+def test_stale_advances_the_counter(pool: FakeKVCacheManager, dirs: tuple[Path, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    pool.set_memory_limit(32 << 20, revision=10)  # another controller got there first
+    code, out, _ = run(capsys, "16M")
+    assert code == 1 and out.split()[0] == "stale"
+    assert stored(dirs[0])["revision"] == 10
+    code, out, _ = run(capsys, "16M")
+    assert code == 0 and out.split()[0] == "applied" and "revision=11" in out
+
+
+def test_conflict_when_a_revision_is_reused(pool: FakeKVCacheManager, dirs: tuple[Path, Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "16M")[0] == 0
+    (dirs[0] / "instances.json").unlink()  # lost state: the counter restarts at 1
+    code, out, _ = run(capsys, "24M")
+    assert code == 1
+    assert out.split()[0] == "conflict" and "revision_reused_with_different_limit" in out
+
+
+def test_rejected_by_quarantined_pages(pool: FakeKVCacheManager,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    pool.quarantined = True
+    code, out, _ = run(capsys, "16M")
+    assert code == 1 and out.split()[0] == "rejected"
+    assert "quarantined_pages_prevent_resize" in out
+
+
+def test_unavailable_without_engine(dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("KVCACHED_IPC_NAME")
+    code, out, _ = run(capsys, "--timeout", "0.2", "1G")
+    assert code == 1
+    assert out.split()[0] == "unavailable" and "reason=no_engine_responder" in out
+    assert "nothing was applied" in out
+    assert not list((dirs[0] / "mailbox" / IPC).iterdir())  # the request was withdrawn
+    assert stored(dirs[0])["revision"] == 1  # consumed, so never reused
+
+
+def test_kvctl_change_after_our_limit_is_refused(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(capsys, "16M")[0] == 0
+    write_record(dirs[1], IPC, 8 << 20)  # `kvctl limit inst1 8M` rewrites total_size in place
+    code, out, _ = run(capsys, "24M")
+    assert code == 1
+    assert out.split()[0] == "rejected" and "reason=kvctl_limit_detected" in out
+    assert "a `kvctl limit` was applied to this instance" in out
+    assert pool.capacity_pages == 2  # nothing sent
+    assert stored(dirs[0])["revision"] == 1  # refusal consumes no revision
+    # The engine restarts: a new segment (new inode) frees the instance for us again.
+    write_record(dirs[1], IPC, virtual_total(pool), replace=True)
+    code, out, _ = run(capsys, "24M")
+    assert code == 0 and "revision=2" in out
+
+
+def test_kvctl_limit_before_first_use_is_refused_unless_adopted(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_record(dirs[1], IPC, 16 << 20)  # kvctl set a limit before we ever did
+    code, out, _ = run(capsys, "24M")
+    assert code == 1
+    assert out.split()[0] == "rejected" and "not the pool's virtual capacity" in out
+    code, out, _ = run(capsys, "--adopt", "24M")
+    assert code == 0 and out.split()[0] == "applied"
+
+
+def test_bad_input_is_one_line(dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+                               ) -> None:
+    assert main(["limit", "--ipc", "bad name", "1G"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcached-provider: error: --ipc 'bad name' is invalid")
+    assert err.count("\n") == 1
+    assert main(["limit", "--ipc", IPC, "--timeout", "0", "1G"]) == 2
+    assert "--timeout 0 is invalid" in capsys.readouterr().err
+
+
+def test_corrupt_state_is_refused_and_kept(dirs: tuple[Path, Path],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    dirs[0].mkdir()
+    bad = dirs[0] / "instances.json"
+    bad.write_text('{"schema_version": 7}')
+    code, _, err = run(capsys, "1G")
+    assert code == 2
+    assert "is not a kvcached-provider state file (schema 1)" in err
+    assert err.count("\n") == 1
+    assert bad.read_text() == '{"schema_version": 7}'
+
+
+def _cli(env_update: dict[str, str], *argv: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
+    env.update(env_update)
+    return subprocess.Popen([sys.executable, "-m", "kvcached_provider", "limit", *argv],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_engine_responder_answers_another_process(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
+) -> None:
+    """The command runs in a child without pools; the responder here holds the (fake) pool."""
+    responder = LimitResponder(IPC, poll_s=0.02)
+    responder.start()
+    try:
+        proc = _cli({}, "--ipc", IPC, "--timeout", "20", "--json", "16M")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        responder.stop()
+    assert proc.returncode == 0, err
+    result = json.loads(out)
+    assert result["status"] == "applied" and result["via"] == "engine"
+    assert result["revision"] == 1
+    assert pool.capacity_pages == 2
+    assert not list((dirs[0] / "mailbox" / IPC).iterdir())
+
+
+def test_responder_claims_nothing_without_pools(kv: FakeKvcached, dirs: tuple[Path, Path]
+                                                ) -> None:
+    box = dirs[0] / "mailbox" / IPC
+    box.mkdir(parents=True)
+    (box / "req-1.json").write_text("{}")
+    assert LimitResponder(IPC).poll_once() == 0
+    assert (box / "req-1.json").exists()
+
+
+def test_concurrent_commands_never_share_a_revision(dirs: tuple[Path, Path]) -> None:
+    procs = [_cli({}, "--ipc", IPC, "--timeout", "0.1", "--json", f"{i + 1}G") for i in range(4)]
+    revisions = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        revisions.append(json.loads(out)["revision"])
+    assert sorted(revisions) == [1, 2, 3, 4]
+    assert stored(dirs[0])["revision"] == 4
+
+
+def test_limit_rejects_negative(dirs: tuple[Path, Path]) -> None:
+    with pytest.raises(LimitError, match="expected a non-negative size"):
+        set_limit(IPC, -1)
+
+
+def test_activation_plugin_starts_responder_only_when_enabled(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(activation, "_responder", None)
+    monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
+    assert activation.register() is None
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "not valid!")
+    assert activation.register() is None
+    monkeypatch.setenv("KVCACHED_IPC_NAME", IPC)
+    responder = activation.register()
+    try:
+        assert responder is not None and responder.ipc == IPC
+        assert activation.register() is responder  # one per process
+    finally:
+        assert responder is not None
+        responder.stop()

@@ -1,0 +1,109 @@
+"""``kvcached_provider.signals``: capacity signals present with kvcached pools, empty without.
+
+kvcached cannot be installed here, so these tests fake it at the module boundary: fake
+``kvcached``, ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C`` modules
+(``tests/fake_kvcached.py``, behaviour from the kvcached spec) are put into ``sys.modules``.
+Guarded: ``None`` when kvcached is absent or has no pools (and kvcached is never imported);
+the aggregated limit / shrink / available-block / physical-page figures; ``pages_released``
+counting only pages that a set of freed blocks empties; failures reading a pool never raise.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvcached_provider import signals
+from tests.fake_kvcached import FakeKvcached, FakeKVCacheManager, install
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache() -> Iterator[None]:
+    signals.reset_cache()
+    yield
+    signals.reset_cache()
+
+
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
+    return install(monkeypatch)
+
+
+def test_absent_kvcached_gives_none_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "kvcached" or m.startswith("kvcached.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert signals.current_signals() is None
+    assert signals.pages_released([1, 2, 3]) is None
+    assert "kvcached" not in sys.modules
+
+
+def test_no_registered_pool_gives_none(kv: FakeKvcached) -> None:
+    assert signals.current_signals() is None
+    assert signals.pages_released([0]) is None
+
+
+def test_signals_report_limit_shrink_and_capacity(kv: FakeKvcached) -> None:
+    # 64 blocks, 16 per page -> 4 pages; 4 layers x 2 buffers x 1 MiB = 8 MiB per page bundle.
+    pool = kv.register(FakeKVCacheManager(num_blocks=64, physical_free_pages=3))
+    got = signals.current_signals()
+    assert got is not None
+    assert got.in_shrink is False
+    assert got.available_blocks == 3 * 16  # capped by 3 free physical pages
+    assert got.physical_free_pages == 3
+    assert got.memory_limit_bytes is None  # no revisioned limit yet
+
+    assert pool.alloc(40) is not None  # 3 pages in use
+    pool.set_memory_limit(2 * (8 << 20), revision=1)  # 2 pages: must shrink
+    got = signals.current_signals()
+    assert got is not None
+    assert got.in_shrink is True
+    assert got.memory_limit_bytes == 16 << 20
+    assert got.effective_limit_bytes == 16 << 20
+    assert got.available_blocks == 3 * 16 - 40  # only holes in mapped pages
+    assert got.pools[0].target_num_blocks == 32
+    assert got.mapped_bytes == 3 * (8 << 20)
+
+
+def test_signals_sum_over_pools(kv: FakeKvcached) -> None:
+    kv.register(FakeKVCacheManager(group_id=0, physical_free_pages=2))
+    kv.register(FakeKVCacheManager(group_id=1, physical_free_pages=5))
+    got = signals.current_signals()
+    assert got is not None
+    assert [p.group_id for p in got.pools] == [0, 1]
+    assert got.physical_free_pages == 7
+    assert got.available_blocks == (2 + 4) * 16
+
+
+def test_pages_released_counts_only_emptied_pages(kv: FakeKvcached) -> None:
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))
+    blocks = pool.alloc(40)  # pages 0, 1 full; page 2 holds blocks 32..39
+    assert blocks == list(range(40))
+    assert signals.pages_released(range(16)) == 1  # page 0 empties
+    assert signals.pages_released(range(8, 24)) == 0  # half of two pages: nothing returns
+    assert signals.pages_released(range(32, 40)) == 1  # all live blocks of page 2
+    assert signals.pages_released(range(40)) == 3
+    assert signals.pages_released([]) == 0
+    assert signals.pages_released(range(16), group_id=1) is None  # no such group
+
+
+def test_broken_pool_never_raises(kv: FakeKvcached, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = kv.register(FakeKVCacheManager())
+
+    def boom(*_: object) -> int:
+        raise RuntimeError("driver error")
+
+    monkeypatch.setattr(pool, "available_size", boom)
+    monkeypatch.setattr(pool, "get_page_occupancy", boom)
+    assert signals.current_signals() is None
+    assert signals.pages_released([1]) is None
+
+
+def test_registry_lookup_follows_module_removal(
+    kv: FakeKvcached, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv.register(FakeKVCacheManager())
+    assert signals.current_signals() is not None
+    monkeypatch.delitem(sys.modules, "kvcached.pool_registry")
+    assert signals.current_signals() is None

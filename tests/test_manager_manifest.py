@@ -1,0 +1,646 @@
+"""Manifest 0.2 validation by the compatible ``vllm-hust-ext`` manager.
+
+Guards: every malformed manifest (each protocol rule broken once, plus discovery-level
+faults) is refused by ``extension validate`` with exit 2 and a one-line message that names
+the offending field; the JSON Schema in ``manifests/schema/`` agrees with the rules, is
+shipped identically inside the manager package, and accepts our bundle manifest; our
+BidKV manifest satisfies the official manager's published rules (manager-protocol.md
+§1-§2), so the bundle also works with the official manager unchanged.
+
+Bundles are registered through a throw-away ``*.dist-info`` directory on ``sys.path``, the
+same metadata an installed wheel provides, and the CLI runs in-process (fast).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hust_ext_manager import manifest as manifest_module
+from hust_ext_manager.cli import main
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+BIDKV_MANIFEST = ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json"
+SCHEMA = ROOT / "manifests" / "schema" / "vllm-hust-extension-v0.2.schema.json"
+PACKAGED_SCHEMA = (
+    ROOT
+    / "manager"
+    / "src"
+    / "hust_ext_manager"
+    / "schema"
+    / "vllm-hust-extension-v0.2.schema.json"
+)
+TEST_ID = "org.test.bad"
+
+
+def write_dist(
+    root: Path,
+    name: str,
+    registrations: dict[str, str],
+    files: dict[str, bytes],
+    *,
+    version: str = "1.0",
+) -> None:
+    """A minimal installed distribution: METADATA, entry_points.txt and a RECORD."""
+    # Wheel convention: the dist-info directory uses the underscore-normalised name.
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = ["[vllm_hust.extension_bundles]"] + [f"{k} = {v}" for k, v in registrations.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("".join(f"{path},,\n" for path in files))
+    for relative, data in files.items():
+        target = root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def base_manifest() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(BIDKV_MANIFEST.read_text())
+    document["extension_id"] = TEST_ID
+    return document
+
+
+def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "state" / "config.json"))
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def _set(path: str, value: object) -> Callable[[dict[str, Any]], Any]:
+    """Mutation: set a dotted/indexed path (``a.b[0].c``) to ``value``."""
+
+    def mutate(document: dict[str, Any]) -> Any:
+        keys = [int(k) if k.isdigit() else k for k in re.findall(r"[^.\[\]]+", path)]
+        target: Any = document
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+        return document
+
+    return mutate
+
+
+def _drop(path: str, key: str) -> Callable[[dict[str, Any]], Any]:
+    def mutate(document: dict[str, Any]) -> Any:
+        target: Any = document
+        for part in [int(k) if k.isdigit() else k for k in re.findall(r"[^.\[\]]+", path)]:
+            target = target[part]
+        del target[key]
+        return document
+
+    return mutate
+
+
+def _dup_component(document: dict[str, Any]) -> Any:
+    document["components"].append(copy.deepcopy(document["components"][0]))
+    return document
+
+
+def _replace(value: object) -> Callable[[dict[str, Any]], Any]:
+    return lambda _document: value
+
+
+_SERVICE = {"service_id": "s", "protocol": "http", "version_range": None}
+
+# (case id, mutation, expected message fragment, schema also rejects it)
+MALFORMED: list[tuple[str, Callable[[dict[str, Any]], Any], str, bool]] = [
+    ("not-an-object", _replace([1, 2]), "manifest must be an object with string keys", True),
+    ("schema-0.3", _set("schema_version", "0.3-experimental"), "unsupported schema_version", True),
+    (
+        "unknown-name",
+        _set("name", "x"),
+        "experimental manifest has unknown=['name'] missing=[]",
+        True,
+    ),
+    ("unknown-0.3-key", _set("requires_extensions", []), "unknown=['requires_extensions']", True),
+    ("missing-host", _drop("", "host"), "missing=['host']", True),
+    ("bad-id", _set("extension_id", "Org.Bad"), "extension_id is invalid", True),
+    ("blank-id", _set("extension_id", "  "), "extension_id must be a non-empty string", True),
+    (
+        "bad-version",
+        _set("extension_version", "one"),
+        "extension_version is not a valid version",
+        False,
+    ),
+    ("bad-kind", _set("kind", "policy"), "kind contains unsupported values: ['policy']", True),
+    (
+        "bad-owner",
+        _set("lifecycle_owner", "root"),
+        "lifecycle_owner contains unsupported values",
+        True,
+    ),
+    ("host-extra", _set("host.port", 1), "host has unknown=['port'] missing=[]", True),
+    ("host-provider", _set("host.provider", "VLLM"), "host.provider is invalid", True),
+    ("host-name", _set("host.name", " "), "host.name must be a non-empty string", True),
+    (
+        "host-range",
+        _set("host.version_range", "~~1"),
+        "host.version_range is not a valid version range",
+        False,
+    ),
+    (
+        "host-api-range",
+        _set("host.api_range", "one"),
+        "host.api_range is not a valid version range",
+        False,
+    ),
+    (
+        "runtime-keys",
+        _drop("runtime", "isolation"),
+        "runtime requires type, process_scope, and isolation",
+        True,
+    ),
+    (
+        "runtime-type",
+        _set("runtime.type", "wasm"),
+        "runtime.type contains unsupported values",
+        True,
+    ),
+    ("protocols-type", _set("protocols", {}), "protocols must be an array", True),
+    (
+        "protocol-keys",
+        _set("protocols[0].extra", 1),
+        "protocols[0] requires name and version_range",
+        True,
+    ),
+    (
+        "protocol-range",
+        _set("protocols[0].version_range", "=>1"),
+        "protocols[0].version_range is not a valid version range",
+        False,
+    ),
+    (
+        "implementation-empty",
+        _set("implementation", []),
+        "implementation must be a non-empty array",
+        True,
+    ),
+    (
+        "carrier-type",
+        _set("implementation[0].type", "wheel"),
+        "implementation[0].type contains unsupported values",
+        True,
+    ),
+    (
+        "carrier-bare",
+        _set("implementation", [{"type": "host_builtin"}]),
+        "implementation[0] has no carrier attributes",
+        True,
+    ),
+    (
+        "module-keys",
+        _drop("implementation[0]", "status"),
+        "implementation[0] python_module requires module, object, and status",
+        True,
+    ),
+    (
+        "module-name",
+        _set("implementation[0].module", "1bad"),
+        "implementation[0].module is invalid",
+        True,
+    ),
+    (
+        "module-object",
+        _set("implementation[0].object", "a.b"),
+        "implementation[0].object is invalid",
+        True,
+    ),
+    (
+        "module-status",
+        _set("implementation[0].status", "enabled"),
+        "implementation[0].status is unsupported",
+        True,
+    ),
+    ("services-type", _set("requires_services", {}), "requires_services must be an array", True),
+    (
+        "service-keys",
+        _set("requires_services", [_SERVICE]),
+        "requires_services[0] has unknown=[] missing=['endpoint_config']",
+        True,
+    ),
+    (
+        "service-optional",
+        _set("requires_services", [{**_SERVICE, "endpoint_config": "url", "optional": "yes"}]),
+        "requires_services[0].optional must be boolean",
+        True,
+    ),
+    ("components-type", _set("components", {"a": 1}), "components must be a non-empty array", True),
+    (
+        "component-keys",
+        _set("components[0].extra", 1),
+        "components[0] has unknown=['extra'] missing=[]",
+        True,
+    ),
+    (
+        "component-id",
+        _set("components[0].component_id", "Bad_ID"),
+        "components[0].component_id is invalid",
+        True,
+    ),
+    (
+        "contract-prefix",
+        _set("components[0].contracts", ["torch.policy.v1"]),
+        "components[0].contracts is invalid",
+        True,
+    ),
+    (
+        "contract-dupes",
+        _set("components[0].contracts", ["vllm.a", "vllm.a"]),
+        "components[0].contracts must not contain duplicates",
+        True,
+    ),
+    (
+        "contract-empty",
+        _set("components[0].contracts", []),
+        "components[0].contracts is invalid",
+        True,
+    ),
+    (
+        "planes",
+        _set("components[0].execution_planes", ["gpu"]),
+        "components[0].execution_planes contains unsupported values: ['gpu']",
+        True,
+    ),
+    (
+        "isolation",
+        _set("components[0].isolation", "none"),
+        "components[0].isolation contains unsupported values",
+        True,
+    ),
+    (
+        "implementation-ref",
+        _set("components[0].implementation_ref", "a.b.C"),
+        "components[0].implementation_ref is invalid",
+        True,
+    ),
+    (
+        "permissions",
+        _set("components[0].permissions", ["root"]),
+        "components[0].permissions contains unsupported values",
+        True,
+    ),
+    ("component-dupes", _dup_component, "component_id values must be unique", False),
+    (
+        "activation-keys",
+        _set("activation.launch_options", {}),
+        "activation contains unknown fields: ['launch_options']",
+        True,
+    ),
+    (
+        "entry-point-keys",
+        _set("activation.entry_points", [{"group": "vllm.general_plugins"}]),
+        "activation.entry_points[0] requires group and name",
+        True,
+    ),
+    (
+        "env-value",
+        _set("activation.environment.BIDKV_UTILITY_ENABLE", 1),
+        "activation.environment values must be strings",
+        True,
+    ),
+    (
+        "additional-config",
+        _set("activation.additional_config", [1]),
+        "activation.additional_config must be an object with string keys",
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"), [(m, t) for _, m, t, _ in MALFORMED], ids=[c[0] for c in MALFORMED]
+)
+def test_malformed_manifest_is_refused_naming_the_field(
+    isolated: Path,
+    capsys: pytest.CaptureFixture[str],
+    mutate: Callable[[dict[str, Any]], Any],
+    message: str,
+) -> None:
+    document = mutate(base_manifest())
+    files = {"fakepkg/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode()}
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, files)
+    code, out, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert out == ""
+    last = err.strip().splitlines()[-1]
+    assert last == f"vllm-hust-ext: error: {TEST_ID!r} manifest is invalid: {message}" or (
+        last.startswith("vllm-hust-ext: error: ") and message in last
+    ), last
+    assert "Traceback" not in err
+
+
+def test_at_least_thirty_malformed_cases() -> None:
+    assert len(MALFORMED) >= 30
+
+
+@pytest.mark.parametrize(
+    ("mutate", "rejected"), [(m, s) for _, m, _, s in MALFORMED], ids=[c[0] for c in MALFORMED]
+)
+def test_schema_agrees_with_the_rules(
+    mutate: Callable[[dict[str, Any]], Any], rejected: bool
+) -> None:
+    """The JSON Schema rejects every structural fault; version syntax is left to the rules."""
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+    assert validator.is_valid(mutate(base_manifest())) is not rejected
+
+
+def test_schema_is_valid_2020_12_and_shipped_identically() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert PACKAGED_SCHEMA.read_bytes() == SCHEMA.read_bytes()
+    assert manifest_module.manifest_schema() == schema
+
+
+# --- discovery-level faults -----------------------------------------------------------
+
+
+def _good() -> bytes:
+    return json.dumps(base_manifest()).encode()
+
+
+def test_symlinked_manifest_is_refused(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    real = isolated / "real.json"
+    real.write_bytes(_good())
+    relative = "fakepkg/m/vllm-hust-extension-v0.2.json"
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, {})
+    (isolated / relative).parent.mkdir(parents=True)
+    (isolated / relative).symlink_to(real)
+    (isolated / "fake_bundle-1.0.dist-info" / "RECORD").write_text(f"{relative},,\n")
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert f"{TEST_ID!r} manifest is invalid: manifest must be a regular non-symlink file" in err
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xfe{}", b"{not json"], ids=["non-utf8", "not-json"])
+def test_unreadable_manifest_is_refused(
+    isolated: Path, capsys: pytest.CaptureFixture[str], payload: bytes
+) -> None:
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": payload},
+    )
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert f"{TEST_ID!r} manifest is invalid: manifest cannot be read as JSON" in err
+
+
+def test_registration_must_match_manifest_id(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {"org.test.other": "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": _good()},
+    )
+    code, _, err = invoke(["extension", "inspect", "org.test.other"], capsys)
+    assert code == 2
+    assert f"registration 'org.test.other' does not match {TEST_ID!r}" in err
+
+
+def test_registration_must_be_a_static_directory(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m:manifest"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": _good()},
+    )
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert f"{TEST_ID!r} must register a static module directory" in err
+
+
+@pytest.mark.parametrize(
+    "names",
+    [[], ["vllm-hust-extension-v0.2.json", "extension-bundle-v1.json"]],
+    ids=["zero", "two"],
+)
+def test_exactly_one_manifest_file(
+    isolated: Path, capsys: pytest.CaptureFixture[str], names: list[str]
+) -> None:
+    files = {f"fakepkg/m/{n}": _good() for n in names} or {"fakepkg/m/README": b""}
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, files)
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert f"{TEST_ID!r} must contain exactly one Bundle v1 manifest" in err
+
+
+def test_duplicate_registrations_are_refused(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("fake-one", "fake-two"):
+        write_dist(
+            isolated / name,
+            name,
+            {TEST_ID: f"{name.replace('-', '_')}.m"},
+            {f"{name.replace('-', '_')}/m/vllm-hust-extension-v0.2.json": _good()},
+        )
+    import sys
+
+    # Two distributions, each on its own sys.path entry, register the same id.
+    sys.path[:0] = [str(isolated / "fake-one"), str(isolated / "fake-two")]
+    try:
+        code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    finally:
+        del sys.path[:2]
+    assert code == 2
+    assert f"duplicate Bundle registrations: [{TEST_ID!r}]" in err
+
+
+def test_uninstalled_id_is_refused(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = invoke(["extension", "inspect", "org.test.none"], capsys)
+    assert code == 2
+    assert "enabled Bundles are not installed: ['org.test.none']" in err
+
+
+def test_editable_install_is_found_through_direct_url(
+    isolated: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    source = tmp_path / "checkout"
+    (source / "src" / "fakepkg" / "m").mkdir(parents=True)
+    (source / "src" / "fakepkg" / "m" / "vllm-hust-extension-v0.2.json").write_bytes(_good())
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, {})
+    info = isolated / "fake_bundle-1.0.dist-info"
+    (info / "direct_url.json").write_text(
+        json.dumps({"url": source.as_uri(), "dir_info": {"editable": True}})
+    )
+    code, out, _ = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 0
+    assert json.loads(out)["manifest_path"] == str(
+        source / "src" / "fakepkg" / "m" / "vllm-hust-extension-v0.2.json"
+    )
+    (info / "direct_url.json").write_text("{broken")
+    code, _, err = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 2
+    assert "editable direct_url.json is invalid" in err
+
+
+def test_list_is_tolerant_of_invalid_bundles(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": b"{"},
+    )
+    code, out, err = invoke(["extension", "list", "--json"], capsys)
+    assert code == 0
+    invalid = [d for d in json.loads(out) if d.get("bundle_id") == TEST_ID]
+    assert invalid == [
+        {
+            "bundle_id": TEST_ID,
+            "discovery_error": f"{TEST_ID!r} manifest is invalid: manifest cannot be read as JSON",
+            "valid": False,
+        }
+    ]
+    code, out, err = invoke(["extension", "list"], capsys)
+    assert code == 0
+    assert (
+        f"{TEST_ID} invalid {TEST_ID!r} manifest is invalid: manifest cannot be read as JSON" in err
+    )
+
+
+def test_descriptor_only_bundle_is_inspectable_but_not_enabled(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = _set("implementation[0].status", "import_only")(base_manifest())
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode()},
+    )
+    code, out, _ = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["activation_ready"] is False
+    assert "descriptor-only" in shown["activation_blocker"]
+    code, _, err = invoke(["extension", "enable", TEST_ID], capsys)
+    assert code == 2
+    assert f"cannot enable {TEST_ID!r}: " in err and "descriptor-only" in err
+    code, out, _ = invoke(["extension", "render", TEST_ID], capsys)
+    assert [a["name"] for a in json.loads(out)] == ["inspection-plan.json"]
+
+
+def test_two_preemption_components_cannot_render(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = base_manifest()
+    second = {**document["components"][0], "component_id": "second"}
+    document["components"].append(second)
+    write_dist(
+        isolated,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode()},
+    )
+    code, _, err = invoke(["extension", "plan", TEST_ID], capsys)
+    assert code == 2
+    assert "exactly one vllm.preemption-policy.v1 component is required" in err
+
+
+# --- conformance of our own manifest --------------------------------------------------
+
+_OFFICIAL_TOP = {
+    "schema_version",
+    "extension_id",
+    "extension_version",
+    "kind",
+    "host",
+    "runtime",
+    "lifecycle_owner",
+    "protocols",
+    "implementation",
+    "requires_services",
+    "components",
+    "activation",
+}
+
+
+def test_bidkv_manifest_satisfies_the_official_rules() -> None:
+    """Each rule of manager-protocol.md §1-§2, checked independently of our parser."""
+    document = json.loads(BIDKV_MANIFEST.read_text(encoding="utf-8"))
+    assert not BIDKV_MANIFEST.is_symlink()
+    assert set(document) <= _OFFICIAL_TOP and _OFFICIAL_TOP - {"components", "activation"} <= set(
+        document
+    )
+    assert document["schema_version"] == "0.2-experimental"
+    assert re.fullmatch(r"[a-z0-9][a-z0-9.-]*", document["extension_id"])
+    assert document["extension_id"] == "org.vllm-hust.bidkv"
+    from bidkv_ext._version import __version__
+
+    assert Version(document["extension_version"]) == Version(__version__)
+    assert document["kind"] == "scheduler_policy" and document["lifecycle_owner"] == "vllm"
+    host = document["host"]
+    assert set(host) == {"provider", "name", "version_range", "api_range"}
+    assert host["provider"] == "vllm" and host["name"] == "vllm"
+    assert Version("0.33.0") in SpecifierSet(host["version_range"])
+    assert Version("0.28.1rc1.dev319") in SpecifierSet(host["version_range"])
+    assert Version("1.0") in SpecifierSet(host["api_range"])
+    assert document["runtime"] == {
+        "type": "python",
+        "process_scope": "scheduler",
+        "isolation": "trusted_in_process",
+    }
+    assert document["protocols"] == [{"name": "vllm.preemption-policy", "version_range": ">=1,<2"}]
+    (carrier,) = document["implementation"]
+    assert set(carrier) == {"type", "module", "object", "status"} and carrier["status"] == "active"
+    (component,) = document["components"]
+    assert set(component) <= {
+        "component_id",
+        "contracts",
+        "execution_planes",
+        "isolation",
+        "implementation_ref",
+        "permissions",
+    }
+    assert component["contracts"] == ["vllm.preemption-policy.v1"]
+    assert component["implementation_ref"] == f"{carrier['module']}:{carrier['object']}"
+    assert re.fullmatch(
+        r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*",
+        component["implementation_ref"],
+    )
+    activation = document["activation"]
+    assert set(activation) <= {"entry_points", "environment", "additional_config"}
+    assert all(isinstance(v, str) for v in activation["environment"].values())
+    assert document["requires_services"] == []
+    # The official parser accepts it, and the JSON Schema does too.
+    parsed = manifest_module.parse_manifest(document)
+    assert parsed.activation_blocker is None
+    jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text())).validate(document)
+
+
+def test_bidkv_registration_points_at_a_static_directory() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    value = project["project"]["entry-points"]["vllm_hust.extension_bundles"]["org.vllm-hust.bidkv"]
+    assert re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value)
+    assert (ROOT / Path(*value.split(".")) / "vllm-hust-extension-v0.2.json").is_file()

@@ -1,0 +1,299 @@
+"""``vllm-hust-ext run``: supervision of a real child, and launch rendering rules.
+
+Guards: the child's exit code is returned; SIGTERM sent to the manager reaches the child
+(the manager then exits 128+15); a child that ignores SIGTERM is SIGKILLed after
+``--shutdown-grace-seconds``; descendants left in the child's process group are cleaned
+up, so no orphan survives; ``--additional-config`` merging in both flag forms with
+conflict detection; option conflicts; manager-owned variables preset by the caller are
+refused; bad grace values and empty commands are one-line errors; a property test keeps
+every caller and bundle key through the merge or refuses the conflict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hust_ext_manager.cli import main
+from hust_ext_manager.launch import group_members, merge_additional_config, merge_option
+from hypothesis import given
+from hypothesis import strategies as st
+
+CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
+PY = sys.executable
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """Empty manager state: ``run`` launches with no bundle enabled."""
+    environment = dict(os.environ)
+    environment["VLLM_HUST_EXT_CONFIG"] = str(tmp_path / "config.json")
+    return environment
+
+
+def _wait_for(path: Path, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never appeared")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_exit_code_is_propagated(env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [
+            CLI,
+            "run",
+            "--",
+            PY,
+            "-c",
+            "import os, sys; sys.exit(7 if os.getpgid(0) == os.getpid() else 1)",
+        ],
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 7  # and the child led its own process group
+
+
+def test_child_killed_by_signal_maps_to_128_plus_n(env: dict[str, str]) -> None:
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert subprocess.run([CLI, "run", "--", PY, "-c", code], env=env, timeout=60).returncode == 137
+
+
+def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path) -> None:
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    child = (
+        "import os, signal, sys, time\n"
+        f"def on(s, f):\n    open({str(got)!r}, 'w').write(str(s)); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on)\n"
+        f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    manager = subprocess.Popen([CLI, "run", "--", PY, "-c", child], env=env)
+    pid = int(_wait_for(ready))
+    manager.send_signal(signal.SIGTERM)
+    assert manager.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _wait_for(got) == str(int(signal.SIGTERM))
+    assert not _alive(pid)
+
+
+def test_child_ignoring_sigterm_is_killed_after_grace(env: dict[str, str], tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    child = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    manager = subprocess.Popen(
+        [CLI, "run", "--shutdown-grace-seconds", "0.5", "--", PY, "-c", child], env=env
+    )
+    pid = int(_wait_for(ready))
+    manager.send_signal(signal.SIGTERM)
+    assert manager.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not _alive(pid)
+    assert group_members(pid) == []
+
+
+def test_no_orphans_remain_in_the_process_group(env: dict[str, str], tmp_path: Path) -> None:
+    """The child exits at once, leaving a SIGTERM-ignoring grandchild in its group."""
+    ready = tmp_path / "ready"
+    grandchild = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    )
+    child = (
+        "import os, subprocess, sys\n"
+        f"p = subprocess.Popen([{PY!r}, '-c', {grandchild!r}])\n"
+        f"open({str(ready)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}')\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [CLI, "run", "--shutdown-grace-seconds", "0.5", "--", PY, "-c", child], env=env, timeout=60
+    )
+    assert done.returncode == 3
+    pgid, grandchild_pid = (int(x) for x in _wait_for(ready).split())
+    assert group_members(pgid) == []
+    assert not _alive(grandchild_pid)
+
+
+def test_dry_run_starts_nothing(env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    done = subprocess.run(
+        [CLI, "run", "--dry-run", "--", PY, "-c", f"open({str(marker)!r}, 'w')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    plan = json.loads(done.stdout)
+    assert plan["command"] == [PY, "-c", f"open({str(marker)!r}, 'w')"]
+    assert plan["environment"] == {"VLLMHUST_EXT_ENABLED_BUNDLES": ""}
+    assert plan["native_extension_manifests"] == {}
+    assert not marker.exists()
+
+
+# --- in-process error paths -------------------------------------------------------------
+
+
+def _invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--"], "run requires a command after --"),
+        (
+            ["run", "--shutdown-grace-seconds", "-1", "--", "true"],
+            "--shutdown-grace-seconds must be >= 0",
+        ),
+        (["run", "--", "/nonexistent/binary"], "No such file or directory"),
+        (["run", "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_run_errors_are_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+    code, err = _invoke(argv, capsys)
+    assert code == 2
+    assert err.splitlines()[-1].startswith("vllm-hust-ext: error: ")
+    assert message in err.splitlines()[-1] or message in err
+
+
+def test_preset_evidence_variable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+    monkeypatch.setenv("VLLM_ECPA_LAUNCH_ID", "mine")
+    code, err = _invoke(["run", "--", "true"], capsys)
+    assert code == 2
+    assert (
+        "vllm-hust-ext owns runtime evidence environment variables: ['VLLM_ECPA_LAUNCH_ID']" in err
+    )
+
+
+# --- rendering rules ------------------------------------------------------------------
+
+
+def test_additional_config_is_appended_compact_and_sorted() -> None:
+    assert merge_additional_config(["vllm", "serve"], {"b": 1, "a": {"x": 2}}) == [
+        "vllm",
+        "serve",
+        "--additional-config",
+        '{"a":{"x":2},"b":1}',
+    ]
+    assert merge_additional_config(["vllm"], {}) == ["vllm"]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_additional_config_merges_in_place_in_both_forms(inline: bool) -> None:
+    given = ["--additional-config=" + '{"c": 3}'] if inline else ["--additional-config", '{"c": 3}']
+    merged = merge_additional_config(["vllm", *given, "--x"], {"a": 1})
+    expected = (
+        ['--additional-config={"a":1,"c":3}']
+        if inline
+        else ["--additional-config", '{"a":1,"c":3}']
+    )
+    assert merged == ["vllm", *expected, "--x"]
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["vllm", "--additional-config"], "--additional-config requires a JSON object"),
+        (["vllm", "--additional-config", "[1]"], "--additional-config must contain a JSON object"),
+        (["vllm", "--additional-config={bad"], "--additional-config must contain a JSON object"),
+        (
+            ["vllm", "--additional-config", '{"a": 2}'],
+            "plugin activation conflicts with additional_config keys: ['a']",
+        ),
+    ],
+)
+def test_additional_config_errors(command: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        merge_additional_config(command, {"a": 1})
+
+
+def test_scalar_option_rules() -> None:
+    policy = "pkg.mod.Policy"
+    assert merge_option(["vllm"], "--preemption-policy", policy, is_json=False)[-2:] == [
+        "--preemption-policy",
+        policy,
+    ]
+    same = ["vllm", f"--preemption-policy={policy}"]
+    assert merge_option(same, "--preemption-policy", policy, is_json=False) == same
+    with pytest.raises(ValueError, match="extension activation conflicts with --preemption-policy"):
+        merge_option(
+            ["vllm", "--preemption-policy", "x.Y"], "--preemption-policy", policy, is_json=False
+        )
+    with pytest.raises(ValueError, match="--preemption-policy requires a value"):
+        merge_option(["vllm", "--preemption-policy"], "--preemption-policy", policy, is_json=False)
+    spec = {"k": 1}
+    assert merge_option(
+        ["v", "--speculative-config", '{"k": 1}'], "--speculative-config", spec, is_json=True
+    ) == [
+        "v",
+        "--speculative-config",
+        '{"k": 1}',
+    ]
+    with pytest.raises(ValueError, match="--speculative-config requires a JSON object"):
+        merge_option(["v", "--speculative-config"], "--speculative-config", spec, is_json=True)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    caller=st.dictionaries(st.text(min_size=1, max_size=5), _JSON, max_size=4),
+    bundles=st.dictionaries(st.text(min_size=1, max_size=5), _JSON, min_size=1, max_size=4),
+    inline=st.booleans(),
+)
+def test_additional_config_merge_keeps_every_key_or_refuses(
+    caller: dict[str, object], bundles: dict[str, object], inline: bool
+) -> None:
+    text = json.dumps(caller)
+    command = (
+        ["vllm", f"--additional-config={text}"] if inline else ["vllm", "--additional-config", text]
+    )
+    clash = sorted(k for k in bundles if k in caller and caller[k] != bundles[k])
+    if clash:
+        with pytest.raises(
+            ValueError, match="plugin activation conflicts with additional_config keys"
+        ):
+            merge_additional_config(command, bundles)
+        return
+    merged = merge_additional_config(command, bundles)
+    assert len(merged) == len(command)
+    value = merged[1].split("=", 1)[1] if inline else merged[2]
+    assert json.loads(value) == {**caller, **bundles}

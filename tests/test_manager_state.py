@@ -1,0 +1,235 @@
+"""The ``vllm-hust-ext`` state file: format, migration, refusal of bad files, concurrency.
+
+Guards: writes are schema 2, sorted, mode 0600 and atomic; schema 1 is migrated on the
+next write; a corrupt or unknown-schema file is refused with exit 2 and left byte-for-byte
+untouched by every mutating verb; 20 manager processes enabling, disabling and
+configuring different ids at the same moment lose none of their updates (the lock file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hust_ext_manager.cli import main
+from hust_ext_manager.state import load_state, parse_state
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
+BASE = json.loads((ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json").read_text())
+
+
+def write_bundles(site: Path, ids: list[str]) -> None:
+    """One fake installed distribution registering a valid manifest per id."""
+    info = site / "fake_many-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-many\nVersion: 1.0\n")
+    lines = ["[vllm_hust.extension_bundles]"]
+    record = []
+    for index, bundle_id in enumerate(ids):
+        relative = f"fakemany/b{index}/vllm-hust-extension-v0.2.json"
+        (site / relative).parent.mkdir(parents=True)
+        (site / relative).write_text(json.dumps({**BASE, "extension_id": bundle_id}))
+        lines.append(f"{bundle_id} = fakemany.b{index}")
+        record.append(f"{relative},,\n")
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("".join(record))
+
+
+def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cfg" / "config.json"
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(path))
+    site = tmp_path / "site"
+    write_bundles(site, ["org.test.a", "org.test.b"])
+    monkeypatch.syspath_prepend(str(site))
+    return path
+
+
+def test_enable_writes_schema_2_atomically_with_mode_0600(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[:2] == (0, "enabled org.test.a\n")
+    text = config.read_text()
+    assert text.endswith("\n")
+    assert json.loads(text) == {
+        "schema_version": 2,
+        "extensions": {"org.test.a": {"enabled": True, "configuration": {}}},
+    }
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert [p.name for p in config.parent.iterdir() if p.name.startswith(".config-")] == []
+
+
+def test_schema_1_is_migrated_on_the_next_write(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"schema_version": 1, "enabled": ["org.test.a"]}))
+    assert load_state(config).is_enabled("org.test.a")
+    assert invoke(["extension", "disable", "org.test.b"], capsys)[0] == 0
+    assert json.loads(config.read_text()) == {
+        "schema_version": 2,
+        "extensions": {
+            "org.test.a": {"enabled": True, "configuration": {}},
+            "org.test.b": {"enabled": False, "configuration": {}},
+        },
+    }
+
+
+def test_configure_keeps_enabled_and_disable_keeps_configuration(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"host_version": "0.33.0"}')
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    assert invoke(["extension", "configure", "org.test.a", "--file", str(settings)], capsys)[
+        :2
+    ] == (
+        0,
+        "configured org.test.a\n",
+    )
+    assert invoke(["extension", "disable", "org.test.a"], capsys)[0] == 0
+    entry = json.loads(config.read_text())["extensions"]["org.test.a"]
+    assert entry == {"enabled": False, "configuration": {"host_version": "0.33.0"}}
+    settings.write_text("[1]")
+    code, _, err = invoke(["extension", "configure", "org.test.a", "--file", str(settings)], capsys)
+    assert code == 2
+    assert "extension configuration file must contain an object" in err
+
+
+def test_forget_rules(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = invoke(["extension", "forget", "org.test.a"], capsys)
+    assert (code, err.splitlines()[-1]) == (
+        2,
+        "vllm-hust-ext: error: extension 'org.test.a' has no stored state",
+    )
+    invoke(["extension", "enable", "org.test.a"], capsys)
+    code, _, err = invoke(["extension", "forget", "org.test.a"], capsys)
+    assert (code, err.splitlines()[-1]) == (
+        2,
+        "vllm-hust-ext: error: disable 'org.test.a' before forgetting its stored state",
+    )
+    invoke(["extension", "disable", "org.test.a"], capsys)
+    assert invoke(["extension", "forget", "org.test.a"], capsys)[:2] == (0, "forgot org.test.a\n")
+    assert json.loads(config.read_text())["extensions"] == {}
+
+
+def test_disable_works_for_an_uninstalled_id(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert invoke(["extension", "disable", "org.test.gone"], capsys)[:2] == (
+        0,
+        "disabled org.test.gone\n",
+    )
+
+
+CORRUPT = [
+    ("{broken", "is not valid JSON"),
+    ("[]", "vllm-hust-ext config must be an object"),
+    ('{"schema_version": 3, "extensions": {}}', "vllm-hust-ext config has an unsupported schema"),
+    ('{"schema_version": "2", "extensions": {}}', "vllm-hust-ext config has an unsupported schema"),
+    (
+        '{"schema_version": 1, "enabled": "org.test.a"}',
+        "legacy enabled must be an array of strings",
+    ),
+    ('{"schema_version": 2, "extensions": []}', "vllm-hust-ext extensions must be an object"),
+    ('{"schema_version": 2, "extensions": {"x": 1}}', "extension 'x' config must be an object"),
+    (
+        '{"schema_version": 2, "extensions": {"x": {"on": true}}}',
+        "extension 'x' config has unknown keys: ['on']",
+    ),
+    (
+        '{"schema_version": 2, "extensions": {"x": {"enabled": 1}}}',
+        "extension 'x' enabled must be boolean",
+    ),
+    (
+        '{"schema_version": 2, "extensions": {"x": {"configuration": []}}}',
+        "extension 'x' configuration must be an object",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), CORRUPT, ids=[m for _, m in CORRUPT])
+@pytest.mark.parametrize("verb", ["enable", "disable", "forget", "status", "configure"])
+def test_bad_state_is_refused_and_never_overwritten(
+    config: Path,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    text: str,
+    message: str,
+    verb: str,
+) -> None:
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(text)
+    before = config.read_bytes()
+    settings = tmp_path / "s.json"
+    settings.write_text("{}")
+    argv = ["extension", verb, "org.test.a"] + (
+        ["--file", str(settings)] if verb == "configure" else []
+    )
+    code, _, err = invoke(argv, capsys)
+    assert code == 2
+    assert message in err.splitlines()[-1]
+    assert config.read_bytes() == before
+
+
+def test_parse_state_accepts_defaults() -> None:
+    state = parse_state({"schema_version": 2, "extensions": {"x": {}}})
+    assert state.configuration("x") == {} and not state.is_enabled("x")
+
+
+def test_twenty_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
+    """10 enable, 5 disable (pre-enabled ids), 5 configure: all at once, every change kept."""
+    ids = [f"org.test.c{i:02d}" for i in range(20)]
+    site = tmp_path / "site"
+    write_bundles(site, ids)
+    config = tmp_path / "cfg" / "config.json"
+    config.parent.mkdir()
+    seeded = {i: {"enabled": True, "configuration": {"seed": i}} for i in ids[10:15]}
+    config.write_text(json.dumps({"schema_version": 2, "extensions": seeded}))
+    env = {
+        **os.environ,
+        "VLLM_HUST_EXT_CONFIG": str(config),
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    commands = []
+    for index, bundle_id in enumerate(ids):
+        if index < 10:
+            commands.append([CLI, "extension", "enable", bundle_id])
+        elif index < 15:
+            commands.append([CLI, "extension", "disable", bundle_id])
+        else:
+            settings = tmp_path / f"{bundle_id}.json"
+            settings.write_text(json.dumps({"n": index}))
+            commands.append([CLI, "extension", "configure", bundle_id, "--file", str(settings)])
+    processes = [
+        subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for c in commands
+    ]
+    results = [(p.wait(timeout=120), p.stderr.read() if p.stderr else b"") for p in processes]
+    assert all(code == 0 for code, _ in results), results
+    extensions = json.loads(config.read_text())["extensions"]
+    assert set(extensions) == set(ids)
+    for index, bundle_id in enumerate(ids):
+        entry = extensions[bundle_id]
+        if index < 10:
+            assert entry == {"enabled": True, "configuration": {}}
+        elif index < 15:
+            assert entry == {"enabled": False, "configuration": {"seed": bundle_id}}
+        else:
+            assert entry == {"enabled": False, "configuration": {"n": index}}

@@ -1,0 +1,489 @@
+"""``status`` states and ``run`` refusals: runtime evidence, bundle checks, hosts, conflicts.
+
+Guards: ``runtime_effective`` appears only while a live process with the recorded pid and
+``/proc`` start time has an ``effective`` event for the bundle (the bundle's own stdlib
+writer and the manager's sink write the same line format); a later ``disabled`` event or
+a dead/recycled pid removes it; ``vllm_hust_ext.bundle_checks`` functions are loaded only
+by status/check/run, their lines are evidence and a failure degrades status and refuses
+``run``; host range, qualification profile and service health refusals; per-key
+cross-bundle conflicts (different variables render one launch, the same variable with
+different values is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hust_ext_manager import runtime_evidence
+from hust_ext_manager.cli import main
+
+from bidkv_ext.evidence import evidence_line, evidence_sink_from_env
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE: dict[str, Any] = json.loads(
+    (ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json").read_text()
+)
+DECLARED = {"protocol_versions": {"vllm.preemption-policy": "1.0"}, "host_version": "0.33.0"}
+
+
+def install(
+    site: Path, manifests: dict[str, dict[str, Any]], checks: dict[str, str] | None = None
+) -> None:
+    """A fake installed distribution registering ``manifests`` (and optional checks)."""
+    info = site / "fake_status-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-status\nVersion: 1.0\n")
+    lines, record = ["[vllm_hust.extension_bundles]"], []
+    for index, (bundle_id, document) in enumerate(manifests.items()):
+        relative = f"fakestatus/b{index}/vllm-hust-extension-v0.2.json"
+        (site / relative).parent.mkdir(parents=True)
+        (site / relative).write_text(json.dumps({**document, "extension_id": bundle_id}))
+        lines.append(f"{bundle_id} = fakestatus.b{index}")
+        record.append(f"{relative},,\n")
+    lines.append("[vllm_hust_ext.bundle_checks]")
+    lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("".join(record))
+
+
+def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+    monkeypatch.setenv("VLLM_HUST_EXT_EVIDENCE_PATH", str(tmp_path / "evidence.jsonl"))
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path
+
+
+def set_state(tmp_path: Path, entries: dict[str, dict[str, Any]]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"schema_version": 2, "extensions": entries}))
+
+
+def status(bundle_id: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    code, out, err = invoke(["extension", "status", bundle_id], capsys)
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+# --- runtime evidence -----------------------------------------------------------------
+
+
+def test_bundle_sink_needs_the_evidence_path() -> None:
+    assert evidence_sink_from_env({}) is None
+
+
+def test_bundle_writer_and_manager_sink_write_the_same_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ev.jsonl"
+    binding = {
+        "VLLM_HUST_EXT_EVIDENCE_PATH": str(path),
+        "VLLM_ECPA_PLAN_ID": "p",
+        "VLLM_ECPA_LAUNCH_ID": "l",
+    }
+    sink = evidence_sink_from_env(binding)
+    assert sink is not None
+    sink("effective", {"calls": 1})
+    for key, value in binding.items():
+        monkeypatch.setenv(key, value)
+    runtime_evidence.record_event("effective", {"calls": 1}, extension_id="org.vllm-hust.bidkv")
+    first, second = (json.loads(line) for line in path.read_text().splitlines())
+    assert set(first) - {"recorded_at"} == set(second)
+    for line in (first, second):
+        assert line["schema"] == "vllm-hust-plugin-evidence/0.1"
+        assert line["binding_status"] == "bound"
+        assert (line["event"], line["extension_id"], line["plan_id"], line["launch_id"]) == (
+            "effective",
+            "org.vllm-hust.bidkv",
+            "p",
+            "l",
+        )
+        assert line["process"]["pid"] == os.getpid()
+        assert line["process"]["start_identity"] == runtime_evidence.start_identity(os.getpid())
+        assert line["stats"] == {"calls": 1}
+    with pytest.raises(ValueError, match="bound"):
+        runtime_evidence.record_event({"schema": "x"})
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+    from bidkv_ext.controller import PolicyController
+    from bidkv_ext.evidence import evidence_sink_from_env
+
+    class First:
+        def select_victim(self, context):
+            return context.candidates[0].request_id
+
+    controller = PolicyController(First(), evidence=evidence_sink_from_env())
+    candidate = PreemptionCandidate("r1", 0, 0.0, 8, 1, 8, 0, 16)
+    context = PreemptionContext((candidate,), "fcfs", "r2", 0.9, 1.0)
+    assert controller.select_victim(context) == "r1"
+    open(sys.argv[1], "w").write("ready")
+    time.sleep(120)
+    """
+)
+
+
+def test_runtime_effective_only_while_the_writer_lives(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    evidence = tmp_path / "evidence.jsonl"
+    assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+    ready = tmp_path / "ready"
+    env = {
+        **os.environ,
+        "VLLM_HUST_EXT_EVIDENCE_PATH": str(evidence),
+        "VLLM_ECPA_PLAN_ID": "p",
+        "VLLM_ECPA_LAUNCH_ID": "l",
+        "VLLMHUST_EXT_ENABLED_BUNDLES": "org.test.p",
+    }
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ready)], env=env)
+    try:
+        for _ in range(3000):
+            if ready.exists():
+                break
+            child.poll()
+            assert child.returncode is None
+            import time
+
+            time.sleep(0.01)
+        events = [json.loads(line)["event"] for line in evidence.read_text().splitlines()]
+        assert events == ["initialized", "effective"]
+        # The bundle writes its own id; rebind the lines to the fake bundle under test.
+        evidence.write_text(evidence.read_text().replace("org.vllm-hust.bidkv", "org.test.p"))
+        shown = status("org.test.p", capsys)
+        assert shown["states"][-1] == "runtime_effective"
+        assert f"pid={child.pid}" in shown["evidence"][-1]
+    finally:
+        child.kill()
+        child.wait()
+    assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+
+
+def test_recycled_pid_and_disabled_event_are_not_effective(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    evidence = tmp_path / "evidence.jsonl"
+    environ = {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"}
+    line = evidence_line("effective", {}, environ)
+    line["extension_id"] = "org.test.p"
+    stale = json.loads(json.dumps(line))
+    stale["process"]["start_identity"] = f"pid:{os.getpid()}:start_ticks:1"
+    evidence.write_text(json.dumps(stale) + "\n")
+    assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+    evidence.write_text(json.dumps(line) + "\n")
+    assert "runtime_effective" in status("org.test.p", capsys)["states"]
+    disabled = {**line, "event": "disabled"}
+    disabled.pop("observation_kind")
+    evidence.write_text(json.dumps(line) + "\n" + json.dumps(disabled) + "\n")
+    assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+
+
+# --- bundle checks --------------------------------------------------------------------
+
+
+def _check_module(site: Path, body: str, name: str) -> Path:
+    """Write check module ``name`` (unique per test: sys.modules outlives a test)."""
+    marker = site / "imported.marker"
+    (site / f"{name}.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "def check(manifest, configuration):\n" + textwrap.indent(body, "    ") + "\n"
+    )
+    return marker
+
+
+def test_bundle_checks_feed_status_and_refuse_run(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = _check_module(
+        site,
+        "assert manifest['extension_id'] == 'org.test.p' and configuration['host_version']\n"
+        "return [(True, 'service socket present'), (False, 'limit not applied')]",
+        "fakecheck_lines",
+    )
+    install(site, {"org.test.p": BASE}, checks={"org.test.p": "fakecheck_lines:check"})
+    set_state(tmp_path, {"org.test.p": {"enabled": False, "configuration": DECLARED}})
+    for argv in (
+        ["extension", "list"],
+        ["extension", "inspect", "org.test.p"],
+        ["extension", "validate", "org.test.p"],
+        ["extension", "enable", "org.test.p"],
+    ):
+        assert invoke(argv, capsys)[0] == 0
+    assert not marker.exists()  # never loaded outside status/check/run
+    shown = status("org.test.p", capsys)
+    assert marker.exists()
+    assert shown["states"] == [
+        "installed",
+        "discovered",
+        "compatible",
+        "configured",
+        "enabled",
+        "degraded",
+    ]
+    assert shown["evidence"][-2:] == ["service socket present", "limit not applied"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2
+    assert (
+        err.splitlines()[-1]
+        == "vllm-hust-ext: error: refusing to launch 'org.test.p': limit not applied"
+    )
+
+
+def test_a_raising_bundle_check_is_a_failed_line(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _check_module(site, "raise RuntimeError('boom')", "fakecheck_raises")
+    install(site, {"org.test.p": BASE}, checks={"org.test.p": "fakecheck_raises:check"})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "bundle check failed: boom" in shown["evidence"] and "degraded" in shown["states"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2 and "refusing to launch 'org.test.p': bundle check failed: boom" in err
+
+
+# --- host, qualification, services ----------------------------------------------------
+
+
+def _with(document: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    result = json.loads(json.dumps(document))
+    for dotted, value in changes.items():
+        target = result
+        *parents, last = dotted.split("__")
+        for part in parents:
+            target = target[part]
+        target[last] = value
+    return result
+
+
+def test_host_out_of_range_is_incompatible_and_refused(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE})
+    set_state(
+        tmp_path,
+        {"org.test.p": {"enabled": True, "configuration": {**DECLARED, "host_version": "0.40.0"}}},
+    )
+    shown = status("org.test.p", capsys)
+    assert shown["states"] == ["installed", "discovered", "incompatible", "enabled"]
+    assert shown["evidence"][0] == "host version 0.40.0 is outside >=0.28.1rc1.dev319,<0.34"
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2
+    assert (
+        "refusing to launch incompatible extension 'org.test.p': host version 0.40.0 is outside"
+        in err
+    )
+
+
+def test_bad_user_configuration_is_incompatible(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE})
+    set_state(
+        tmp_path, {"org.test.p": {"enabled": True, "configuration": {"launch_options": {"x": 1}}}}
+    )
+    shown = status("org.test.p", capsys)
+    assert shown["states"] == ["installed", "discovered", "incompatible"]
+    assert shown["evidence"] == ["unsupported vLLM launch_options: ['x']"]
+
+
+PROFILE = {"accelerator": "ascend", "tensor_parallel_size": 4}
+
+
+@pytest.mark.parametrize(
+    ("profile", "observed", "state", "evidence"),
+    [
+        (PROFILE, None, "degraded", "required runtime qualification is unavailable"),
+        (
+            PROFILE,
+            {"status": "passed", "accelerator": "cuda", "tensor_parallel_size": 4},
+            "incompatible",
+            "runtime qualification profile mismatch: {'accelerator': ('ascend', 'cuda')}",
+        ),
+        (
+            "ascend",
+            {"status": "passed"},
+            "incompatible",
+            "manifest runtime qualification profile is invalid",
+        ),
+    ],
+)
+def test_qualification_profile_refusals(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    profile: object,
+    observed: dict[str, Any] | None,
+    state: str,
+    evidence: str,
+) -> None:
+    document = _with(
+        BASE, activation__additional_config={"_manager_runtime_qualification": profile}
+    )
+    install(site, {"org.test.p": document})
+    configuration = {**DECLARED, **({"runtime_qualification": observed} if observed else {})}
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": configuration}})
+    shown = status("org.test.p", capsys)
+    assert state in shown["states"] and any(evidence in line for line in shown["evidence"])
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2 and "refusing to launch" in err and evidence in err
+
+
+def test_passed_qualification_passes_the_reserved_key_to_the_host(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = _with(
+        BASE, activation__additional_config={"_manager_runtime_qualification": PROFILE, "k": 1}
+    )
+    install(site, {"org.test.p": document})
+    observed = {"status": "passed", **PROFILE}
+    set_state(
+        tmp_path,
+        {
+            "org.test.p": {
+                "enabled": True,
+                "configuration": {**DECLARED, "runtime_qualification": observed},
+            }
+        },
+    )
+    assert "compatible" in status("org.test.p", capsys)["states"]
+    code, out, err = invoke(["run", "--dry-run", "--", "h", '--additional-config={"z": 0}'], capsys)
+    assert code == 0, err
+    command = json.loads(out)["command"]
+    reserved = json.dumps(
+        {"_manager_runtime_qualification": PROFILE, "k": 1, "z": 0},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    assert command[:2] == ["h", f"--additional-config={reserved}"]
+    code, out, _ = invoke(["extension", "plan", "org.test.p"], capsys)
+    assert json.loads(out)["generated_config"]["additional_config"] == {"k": 1}
+
+
+def test_unhealthy_required_service_refuses_run(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    service = {
+        "service_id": "kv",
+        "protocol": "http",
+        "version_range": None,
+        "endpoint_config": "health_url",
+    }
+    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
+    install(site, {"org.test.p": document})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "degraded" in shown["states"] and "reachable" not in shown["states"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2
+    assert "refusing to launch 'org.test.p': required service health is not verified (kv)" in err
+
+
+# --- cross-bundle conflicts -----------------------------------------------------------
+
+
+def _other(environment: dict[str, str]) -> dict[str, Any]:
+    return _with(
+        BASE,
+        components=[],
+        protocols=[],
+        kind="in_process_plugin",
+        runtime__isolation="external_service",
+        activation__environment=environment,
+    )
+
+
+def test_bundles_with_different_variables_render_one_launch(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE, "org.test.q": _other({"KVCACHED_X": "1"})})
+    entry = {"enabled": True, "configuration": DECLARED}
+    set_state(
+        tmp_path,
+        {
+            "org.test.p": entry,
+            "org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}},
+        },
+    )
+    code, out, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["environment"]["KVCACHED_X"] == "1"
+    assert plan["environment"]["BIDKV_UTILITY_ENABLE"] == "1"
+    assert plan["environment"]["VLLMHUST_EXT_ENABLED_BUNDLES"] == "org.test.p,org.test.q"
+    assert plan["command"] == [
+        "h",
+        "--preemption-policy",
+        "bidkv_ext.selector.BidkvPreemptionPolicy",
+    ]
+
+
+def test_bundles_disagreeing_on_a_variable_are_refused(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.p": BASE, "org.test.q": _other({"BIDKV_UTILITY_ENABLE": "0"})})
+    set_state(
+        tmp_path,
+        {
+            "org.test.p": {"enabled": True, "configuration": DECLARED},
+            "org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}},
+        },
+    )
+    code, _, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 2
+    assert (
+        err.splitlines()[-1]
+        == "vllm-hust-ext: error: enabled Bundles disagree on environment variable "
+        "BIDKV_UTILITY_ENABLE"
+    )
+    code, _, err = invoke(["extension", "env"], capsys)
+    assert code == 2 and "disagree on environment variable BIDKV_UTILITY_ENABLE" in err
+
+
+def test_plugins_variable_lists_declared_plugins(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin})
+    set_state(
+        tmp_path, {"org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}}}
+    )
+    monkeypatch.setenv("VLLM_PLUGINS", "mine")
+    code, out, _ = invoke(["extension", "env"], capsys)
+    assert code == 0
+    assert json.loads(out)["VLLM_PLUGINS"] == "mine,ascend,kvp"
+
+
+def test_only_the_vllm_provider_is_served(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install(site, {"org.test.m": _with(_other({}), host__provider="mooncake")})
+    code, _, err = invoke(["extension", "status", "org.test.m"], capsys)
+    assert code == 2
+    assert "no Host Provider named 'mooncake' is installed for 'org.test.m'" in err
