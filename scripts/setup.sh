@@ -28,7 +28,7 @@ PYEOF
 pip install -q --no-deps "vllm==0.33.0"
 pip install -q --no-deps -r "$PINS"
 # 4. This project (editable) and the compatible manager; the pins stay as they are.
-pip install -q -c "$PINS" -e ".[replay,test]"
+pip install -q -c "$PINS" -e ".[replay,qualification,test]"
 if [ -f manager/pyproject.toml ]; then
     pip install -q -c "$PINS" -e manager
 fi

@@ -1,0 +1,119 @@
+"""Command line: ``python -m qualification {run,release-check,profiles}``.
+
+Exit codes: 0 gate (or release check) passed; 1 it did not; 2 bad input or an environment
+that cannot run the profile (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from qualification.errors import QualificationError
+from qualification.profile import PROFILE_DIR, load_profile
+
+__all__ = ["main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RECORDS = REPO_ROOT / "qualification" / "records"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m qualification", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a profile's paired arms and write the record")
+    run.add_argument("profile", help=f"a profile name ({PROFILE_DIR}) or a .toml path")
+    run.add_argument(
+        "--out", type=Path, help="output directory (default qualification/records/<profile>-<utc>)"
+    )
+    run.add_argument("--repeats", type=int, help="pairs per cell (default: the profile's)")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the launch plan (and the manager's own --dry-run rendering) and exit",
+    )
+    run.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    rel = sub.add_parser("release-check", help="versions agree and a passing record exists")
+    rel.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root")
+    rel.add_argument(
+        "--records",
+        type=Path,
+        action="append",
+        help=f"record file or directory, repeatable (default {DEFAULT_RECORDS})",
+    )
+    sub.add_parser("profiles", help="list the bundled profiles")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from qualification.runner import ensure_out_dir, launch_plan, render_with_manager, run_profile
+
+    if args.repeats is not None and args.repeats < 1:
+        raise QualificationError(f"--repeats must be a positive integer, got {args.repeats}")
+    profile = load_profile(args.profile)
+    if args.dry_run:
+        plan = launch_plan(profile, repeats=args.repeats)
+        with tempfile.TemporaryDirectory(prefix="qualification-dry-run-") as tmp:
+            render_with_manager(profile, plan, Path(tmp))
+        print(json.dumps(plan, indent=2, sort_keys=True))
+        return 0
+    out = ensure_out_dir(args.out, profile)
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    result = run_profile(profile, out, repeats=args.repeats, log=log)
+    print(f"record: {result.record_path}")
+    print(f"report: {result.report_path}")
+    print(f"plot:   {result.plot_path}")
+    for outcome in result.outcomes:
+        print(f"{outcome.cell}: {outcome.label} ({outcome.reason})")
+    gate = result.record["gate"]
+    assert isinstance(gate, dict)
+    if result.passed:
+        print("gate: PASSED")
+        return 0
+    print("gate: FAILED")
+    for failure in gate["failures"]:
+        print(f"  - {failure}")
+    return 1
+
+
+def _release_check(args: argparse.Namespace) -> int:
+    from qualification.release import check_release
+
+    records = args.records or [DEFAULT_RECORDS]
+    result = check_release(args.root, records)
+    if result.passed:
+        print(
+            f"release check passed for {result.version}; "
+            f"records: {', '.join(result.matched_records)}"
+        )
+        return 0
+    print(f"release check FAILED for {result.version or 'unknown version'}; missing:")
+    for problem in result.problems:
+        print(f"  - {problem}")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "release-check":
+            return _release_check(args)
+        for path in sorted(PROFILE_DIR.glob("*.toml")):
+            print(path.stem)
+        return 0
+    except QualificationError as exc:
+        print(f"qualification: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qualification: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,182 @@
+"""An OpenAI-compatible asyncio streaming client (``/v1/completions`` with ``stream``).
+
+Streaming makes TTFT real: it is the time from sending to the first chunk carrying text.
+Every request has its own timeout; a request that hits it counts as *starved*, one that
+errors or ends without completing counts as *failed*, and one the workload cancels on
+purpose (the cancel-burst cell) is neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+__all__ = ["RequestResult", "RequestSpec", "fetch_text", "run_requests", "stream_completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    index: int
+    prompt: str
+    max_tokens: int
+    delay_s: float = 0.0
+    cancel_at_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    index: int
+    ok: bool
+    status: int | None
+    sent_at: float
+    ttft: float | None
+    latency: float | None
+    output_tokens: int
+    text: str
+    error: str | None = None
+    timed_out: bool = False
+    cancelled: bool = False
+
+    @property
+    def text_hash(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    model: str
+    temperature: float
+    seed: int
+    ignore_eos: bool
+
+
+def _payload(sampling: Sampling, prompt: str, max_tokens: int) -> dict[str, object]:
+    return {
+        "model": sampling.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "seed": sampling.seed,
+        "ignore_eos": sampling.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    sampling: Sampling,
+    spec: RequestSpec,
+    timeout_s: float,
+    origin: float,
+) -> RequestResult:
+    """Send one streaming completion; never raises (errors are part of the result)."""
+    sent = time.monotonic()
+    first: float | None = None
+    chunks = 0
+    usage_tokens: int | None = None
+    parts: list[str] = []
+    status: int | None = None
+    finished = False
+
+    async def consume() -> None:
+        nonlocal first, chunks, usage_tokens, status, finished
+        async with session.post(
+            f"{base_url}/v1/completions", json=_payload(sampling, spec.prompt, spec.max_tokens)
+        ) as response:
+            status = response.status
+            if response.status != 200:
+                body = (await response.text())[:200]
+                raise RuntimeError(f"HTTP {response.status}: {body}")
+            async for raw in response.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    break
+                event = json.loads(data)
+                usage = event.get("usage")
+                if isinstance(usage, dict) and "completion_tokens" in usage:
+                    usage_tokens = int(usage["completion_tokens"])
+                for choice in event.get("choices") or ():
+                    text = choice.get("text") or ""
+                    if text and first is None:
+                        first = time.monotonic()
+                    if text:
+                        chunks += 1
+                        parts.append(text)
+
+    def result(ok: bool, **kw: object) -> RequestResult:
+        end = time.monotonic()
+        return RequestResult(
+            index=spec.index,
+            ok=ok,
+            status=status,
+            sent_at=sent - origin,
+            ttft=None if first is None else first - sent,
+            latency=end - sent if ok else None,
+            output_tokens=usage_tokens if usage_tokens is not None else chunks,
+            text="".join(parts),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    budget = timeout_s
+    cancel = spec.cancel_at_s is not None and spec.cancel_at_s - (sent - origin) < timeout_s
+    if cancel and spec.cancel_at_s is not None:
+        budget = max(0.0, spec.cancel_at_s - (sent - origin))
+    try:
+        await asyncio.wait_for(consume(), timeout=budget)
+    except TimeoutError:
+        if cancel:
+            return result(False, cancelled=True)
+        return result(False, error=f"timed out after {timeout_s}s", timed_out=True)
+    except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
+        return result(False, error=str(exc) or type(exc).__name__)
+    if not finished:
+        return result(False, error="stream ended without [DONE]")
+    return result(True)
+
+
+async def run_requests(
+    base_url: str,
+    sampling: Sampling,
+    specs: Sequence[RequestSpec],
+    *,
+    concurrency: int,
+    timeout_s: float,
+) -> tuple[list[RequestResult], float]:
+    """Run a cell's requests; returns the results (in index order) and the makespan."""
+    semaphore = asyncio.Semaphore(concurrency)
+    origin = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1) + 2)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(spec: RequestSpec) -> RequestResult:
+            await asyncio.sleep(max(0.0, spec.delay_s - (time.monotonic() - origin)))
+            async with semaphore:
+                return await stream_completion(session, base_url, sampling, spec, timeout_s, origin)
+
+        results = await asyncio.gather(*(one(s) for s in specs))
+    makespan = time.monotonic() - origin
+    return sorted(results, key=lambda r: r.index), makespan
+
+
+async def fetch_text(base_url: str, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    """GET a small endpoint (``/health``, ``/metrics``); raises aiohttp errors."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(f"{base_url}{path}") as response,
+    ):
+        return response.status, await response.text()

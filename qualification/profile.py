@@ -1,0 +1,217 @@
+"""Declarative qualification profiles (TOML files in ``qualification/profiles/``).
+
+A profile names the lane (host range, accelerator, model, parallelism, graph mode, KV
+budget), how each arm is launched (``serve``: a real ``vllm serve``; ``replay``:
+``bidkv-replay``), the cells, the repeats and the functional-gate bounds. Everything is
+validated with pydantic on load so a typo fails before any server starts.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from qualification.errors import QualificationError
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+__all__ = [
+    "PROFILE_DIR",
+    "CellSpec",
+    "ManagerSpec",
+    "Profile",
+    "ReplaySpec",
+    "ServerSpec",
+    "WorkloadSpec",
+    "load_profile",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ManagerSpec(_Frozen):
+    """How arms go through ``vllm-hust-ext`` (always with a private state file)."""
+
+    command: tuple[str, ...] = ("vllm-hust-ext",)
+    extension_id: str = "org.vllm-hust.bidkv"
+    # Written with `extension configure` before enabling the bundle in the candidate arm.
+    # Hosts without a capability snapshot (stock vLLM + our adapter, bidkv-replay) declare
+    # the host and protocol versions they provide here, the documented way.
+    configuration: dict[str, object] = Field(default_factory=dict)
+    # Merged over `configuration` only for `run --dry-run` on a machine without the host:
+    # the manager must see a compatible host to render anything (rendering only).
+    dry_run_configuration: dict[str, object] = Field(default_factory=dict)
+    shutdown_grace_seconds: float = Field(default=30.0, ge=0)
+
+
+class ServerSpec(_Frozen):
+    """A real ``vllm serve`` launch (GPU profiles)."""
+
+    command: tuple[str, ...] = ("vllm", "serve")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    served_model_name: str | None = None
+    graph_mode: str | None = "FULL_DECODE_ONLY"
+    cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    num_gpu_blocks_override: int | None = Field(default=None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    extra_args: tuple[str, ...] = ()
+    # Both arms; e.g. CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES.
+    environment: dict[str, str] = Field(default_factory=dict)
+    # Candidate only, on top of the manager's activation environment: the engine must
+    # pass BIDKV_UTILITY_* to the engine-core child (qualification.md §2 step 2).
+    candidate_environment: dict[str, str] = Field(default_factory=dict)
+    # Stock vLLM through our adapter: the scheduler class used by *both* arms, so the
+    # baseline differs from the candidate only by the policy.
+    scheduler_cls: str | None = None
+    ready_timeout_s: float = Field(default=1800.0, gt=0)
+    stop_timeout_s: float = Field(default=120.0, gt=0)
+    # Log-derived gates (qualification.md §6 gate 5); None disables the check.
+    graph_capture_pattern: str | None = "Graph capturing finished"
+    tp_rank_pattern: str | None = r"(?:rank=|TP|tp_rank=)(\d+)"
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> ServerSpec:
+        if self.kv_cache_memory_bytes is not None and self.num_gpu_blocks_override is not None:
+            raise ValueError("set kv_cache_memory_bytes or num_gpu_blocks_override, not both")
+        return self
+
+
+class WorkloadSpec(_Frozen):
+    """The shared request shape (qualification.md §3)."""
+
+    paragraph: str = (
+        "The quick brown fox studies the scheduling of requests on a shared accelerator, "
+        "noting how memory pressure forces the server to pause one sequence so that "
+        "another can continue. "
+    )
+    temperature: float = 0.0
+    seed: int = 7
+    ignore_eos: bool = True
+    warmup_prompt: str = "Answer with the numbers from one to ten separated by commas:"
+    warmup_max_tokens: int = Field(default=16, gt=0)
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    cancel_drain_bound_s: float = Field(default=5.0, gt=0)
+    recovery_prompt: str = (
+        "Reply with exactly this token and nothing else: BIDKV_MATRIX_CANCEL_RECOVERY_OK"
+    )
+    recovery_expected: str | None = None
+    recovery_max_tokens: int = Field(default=16, gt=0)
+
+
+class CellSpec(_Frozen):
+    """One workload cell; a verdict applies to exactly one cell."""
+
+    name: str = Field(min_length=1)
+    # serve cells
+    paragraph_repeats: tuple[int, ...] = ()
+    delays_s: tuple[float, ...] = (0.0,)
+    concurrency: int = Field(default=4, gt=0)
+    # Default: one request per pattern entry (or per delay, whichever is longer).
+    num_requests: int | None = Field(default=None, gt=0)
+    max_tokens: int = Field(default=2048, gt=0)
+    cancel_after_s: float | None = Field(default=None, gt=0)
+    # replay cells: extra bidkv-replay arguments (placeholders as in ReplaySpec.args)
+    replay_args: tuple[str, ...] = ()
+
+    @field_validator("paragraph_repeats")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(v <= 0 for v in value):
+            raise ValueError("paragraph_repeats must be positive")
+        return value
+
+
+class ReplaySpec(_Frozen):
+    """``bidkv-replay`` arms (the CPU profile). Placeholders: {seed} {repeat} {offset}
+    {out} {cell}; ``offset`` = repeat x ``slice_stride`` so repeats are distinct samples."""
+
+    command: tuple[str, ...] = ("bidkv-replay",)
+    args: tuple[str, ...] = ()
+    baseline_args: tuple[str, ...] = ()
+    candidate_args: tuple[str, ...] = ()
+    base_seed: int = 0
+    slice_stride: int = Field(default=0, ge=0)
+    timeout_s: float = Field(default=300.0, gt=0)
+    environment: dict[str, str] = Field(default_factory=dict)
+
+
+class Profile(_Frozen):
+    name: str = Field(min_length=1)
+    kind: Literal["serve", "replay"]
+    description: str = ""
+    accelerator: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    host_version_range: str
+    host_version: str | None = None
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    execution_mode: str = "graph"
+    repeats: int = Field(default=3, gt=0)
+    manager: ManagerSpec = ManagerSpec()
+    server: ServerSpec | None = None
+    workload: WorkloadSpec = WorkloadSpec()
+    replay: ReplaySpec | None = None
+    cells: tuple[CellSpec, ...] = Field(min_length=1)
+    # Declared in the matrix but not run: reported as `blocked` (qualification.md §3).
+    blocked_cells: tuple[str, ...] = ()
+
+    @field_validator("host_version_range")
+    @classmethod
+    def _range(cls, value: str) -> str:
+        try:
+            SpecifierSet(value)
+        except InvalidSpecifier as exc:
+            raise ValueError(f"not a PEP 440 specifier set: {value!r}") from exc
+        return value
+
+    @model_validator(mode="after")
+    def _kind_section(self) -> Profile:
+        if self.kind == "serve" and self.server is None:
+            raise ValueError("a serve profile needs a [server] table")
+        if self.kind == "replay" and self.replay is None:
+            raise ValueError("a replay profile needs a [replay] table")
+        names = [c.name for c in self.cells]
+        if len(set(names)) != len(names):
+            raise ValueError("cell names must be unique")
+        if self.kind == "serve" and any(not c.paragraph_repeats for c in self.cells):
+            raise ValueError("every serve cell needs paragraph_repeats")
+        return self
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    """A bundled profile name (``cuda``) or a path to a TOML file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" or candidate.exists():
+        return candidate
+    return PROFILE_DIR / f"{name_or_path}.toml"
+
+
+def load_profile(name_or_path: str) -> Profile:
+    path = resolve_profile_path(name_or_path)
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+        raise QualificationError(
+            f"profile {name_or_path!r}: no such file {path}; "
+            f"expected one of {known} or a .toml path"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise QualificationError(f"profile {path}: cannot be read as TOML ({exc})") from exc
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<top level>"
+        raise QualificationError(
+            f"profile {path}: {where}: {first['msg']} ({exc.error_count()} error(s))"
+        ) from exc

@@ -1,0 +1,254 @@
+"""``release-check``: may this tree be released?
+
+Checks, all reported together:
+
+1. The version in ``src/bidkv_ext/_version.py`` is the distribution version: pyproject
+   either reads it dynamically from that attribute or states the same static version.
+2. Every bundle manifest the pyproject registers (``vllm_hust.extension_bundles``) has
+   ``extension_version`` equal to that version.
+3. ``CHANGELOG.md`` has a released section ``## [<version>]`` (Keep a Changelog).
+4. A passing qualification record exists for this version whose host version lies in the
+   BidKV manifest's host range.
+5. If the manifest carries ``activation.additional_config._manager_runtime_qualification``,
+   a passing record in range also matches that profile (accelerator, model, tensor
+   parallel size, execution mode; ``tested_runtime_commit`` when the record has a commit).
+
+The profile is *optional* in the manifest. With it present, ``vllm-hust-ext run`` refuses
+the bundle until the operator declares a matching passed ``runtime_qualification``
+(manager-protocol.md §5.2), which would also block the qualification runs themselves and
+every first start on the stock-vLLM CPU host. So the release gate is the record (rule 4);
+when the profile is present it must agree with a record (rule 5).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from qualification import RECORD_SCHEMA
+
+__all__ = ["ReleaseCheck", "check_release"]
+
+BUNDLE_GROUP = "vllm_hust.extension_bundles"
+MANIFEST_NAMES = ("vllm-hust-extension-v0.2.json", "vllm-hust-extension-v1.json")
+PROFILE_KEY = "_manager_runtime_qualification"
+PROFILE_MATCH_KEYS = ("accelerator", "model", "tensor_parallel_size", "execution_mode")
+PRIMARY_BUNDLE = "org.vllm-hust.bidkv"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseCheck:
+    version: str | None
+    problems: tuple[str, ...]
+    matched_records: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def read_version(root: Path, problems: list[str]) -> str | None:
+    path = root / "src" / "bidkv_ext" / "_version.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError) as exc:
+        problems.append(f"{path}: cannot read __version__ ({exc})")
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    problems.append(f"{path}: no string __version__ assignment")
+    return None
+
+
+def _check_pyproject(root: Path, version: str, problems: list[str]) -> dict[str, object]:
+    path = root / "pyproject.toml"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        problems.append(f"{path}: cannot be read as TOML ({exc})")
+        return {}
+    project = data.get("project", {})
+    static = project.get("version")
+    if static is not None:
+        if static != version:
+            problems.append(f"pyproject.toml version {static} != _version.py {version}")
+    else:
+        attr = (
+            data.get("tool", {}).get("setuptools", {}).get("dynamic", {}).get("version", {})
+        ).get("attr")
+        if "version" not in project.get("dynamic", []) or attr != "bidkv_ext._version.__version__":
+            problems.append(
+                "pyproject.toml: version must be dynamic from bidkv_ext._version.__version__ "
+                f"(found dynamic={project.get('dynamic')}, attr={attr})"
+            )
+    entry_points = project.get("entry-points", {}).get(BUNDLE_GROUP, {})
+    return dict(entry_points) if isinstance(entry_points, Mapping) else {}
+
+
+def _manifest_path(root: Path, dotted: str) -> Path | None:
+    for base in (root, root / "src"):
+        for name in MANIFEST_NAMES:
+            candidate = base.joinpath(*dotted.split(".")) / name
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _load_manifests(
+    root: Path, entry_points: Mapping[str, object], version: str, problems: list[str]
+) -> dict[str, dict[str, object]]:
+    manifests: dict[str, dict[str, object]] = {}
+    if PRIMARY_BUNDLE not in entry_points:
+        problems.append(
+            f"pyproject.toml registers no {BUNDLE_GROUP} entry point {PRIMARY_BUNDLE!r}"
+        )
+    for bundle_id, dotted in sorted(entry_points.items()):
+        path = _manifest_path(root, str(dotted))
+        if path is None:
+            problems.append(f"bundle {bundle_id}: no manifest under {dotted}")
+            continue
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            problems.append(f"{path}: cannot be read as JSON ({exc})")
+            continue
+        if not isinstance(doc, dict):
+            problems.append(f"{path}: manifest is not a JSON object")
+            continue
+        if doc.get("extension_version") != version:
+            problems.append(
+                f"{path.relative_to(root)}: extension_version {doc.get('extension_version')} "
+                f"!= {version}"
+            )
+        manifests[bundle_id] = doc
+    return manifests
+
+
+def _check_changelog(root: Path, version: str, problems: list[str]) -> None:
+    path = root / "CHANGELOG.md"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        problems.append("CHANGELOG.md is missing")
+        return
+    if not re.search(rf"^##\s*\[{re.escape(version)}\]", text, flags=re.MULTILINE):
+        problems.append(f"CHANGELOG.md has no released section '## [{version}]'")
+
+
+def _iter_records(dirs: Iterable[Path]) -> Iterable[tuple[Path, dict[str, object]]]:
+    for base in dirs:
+        files = [base] if base.is_file() else sorted(base.rglob("*.json")) if base.is_dir() else []
+        for path in files:
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(doc, dict) and doc.get("schema") == RECORD_SCHEMA:
+                yield path, doc
+
+
+def _record_in_range(
+    doc: Mapping[str, object], version: str, host_range: SpecifierSet
+) -> str | None:
+    """None when the record qualifies this release's host range, else why not."""
+    gate, ext, host = doc.get("gate"), doc.get("extension"), doc.get("host")
+    if not (isinstance(gate, Mapping) and gate.get("passed") is True):
+        return "gate did not pass"
+    if not (isinstance(ext, Mapping) and ext.get("version") == version):
+        got = ext.get("version") if isinstance(ext, Mapping) else None
+        return f"extension version {got} != {version}"
+    host_version = host.get("version") if isinstance(host, Mapping) else None
+    try:
+        if host_version is None or Version(str(host_version)) not in host_range:
+            return f"host version {host_version} outside {host_range}"
+    except InvalidVersion:
+        return f"host version {host_version!r} is not a version"
+    return None
+
+
+def _profile_mismatch(
+    doc: Mapping[str, object], profile: Mapping[str, object]
+) -> dict[str, object]:
+    rec_profile = doc.get("profile")
+    rec = rec_profile if isinstance(rec_profile, Mapping) else {}
+    diff: dict[str, object] = {
+        key: (profile[key], rec.get(key))
+        for key in PROFILE_MATCH_KEYS
+        if key in profile and profile[key] != rec.get(key)
+    }
+    ext = doc.get("extension")
+    commit = ext.get("commit") if isinstance(ext, Mapping) else None
+    wanted = profile.get("tested_runtime_commit")
+    if wanted and commit and wanted != commit:
+        diff["tested_runtime_commit"] = (wanted, commit)
+    func = profile.get("functional_compatibility")
+    if isinstance(func, Mapping) and func.get("status") != "passed":
+        diff["functional_compatibility.status"] = (func.get("status"), "passed")
+    return diff
+
+
+def check_release(root: Path, record_dirs: Sequence[Path]) -> ReleaseCheck:
+    problems: list[str] = []
+    version = read_version(root, problems)
+    if version is None:
+        return ReleaseCheck(None, tuple(problems), ())
+    entry_points = _check_pyproject(root, version, problems)
+    manifests = _load_manifests(root, entry_points, version, problems)
+    _check_changelog(root, version, problems)
+    primary = manifests.get(PRIMARY_BUNDLE)
+    if primary is None:
+        return ReleaseCheck(version, tuple(problems), ())
+    host = primary.get("host")
+    raw_range = host.get("version_range") if isinstance(host, Mapping) else None
+    try:
+        host_range = SpecifierSet(str(raw_range))
+    except InvalidSpecifier:
+        problems.append(f"{PRIMARY_BUNDLE} manifest: host.version_range {raw_range!r} is invalid")
+        return ReleaseCheck(version, tuple(problems), ())
+    activation = primary.get("activation")
+    extra = activation.get("additional_config") if isinstance(activation, Mapping) else None
+    profile = extra.get(PROFILE_KEY) if isinstance(extra, Mapping) else None
+    if profile is not None and not isinstance(profile, Mapping):
+        problems.append(f"{PRIMARY_BUNDLE} manifest: {PROFILE_KEY} must be an object")
+        profile = None
+
+    records = list(_iter_records(record_dirs))
+    in_range: list[tuple[Path, dict[str, object]]] = []
+    rejected: list[str] = []
+    for path, doc in records:
+        why = _record_in_range(doc, version, host_range)
+        if why is None:
+            in_range.append((path, doc))
+        else:
+            rejected.append(f"{path.name} ({why})")
+    matched = in_range
+    if not in_range:
+        where = ", ".join(str(d) for d in record_dirs) or "<none>"
+        detail = f"; rejected: {', '.join(rejected)}" if rejected else ""
+        problems.append(
+            f"no passing qualification record for {version} with a host in {host_range} "
+            f"under {where}{detail}"
+        )
+    elif profile is not None:
+        diffs = [(p, _profile_mismatch(d, profile)) for p, d in in_range]
+        matched = [(p, d) for (p, d), (_, diff) in zip(in_range, diffs, strict=True) if not diff]
+        if not matched:
+            problems.append(
+                f"no passing record matches the manifest's {PROFILE_KEY}: "
+                + "; ".join(f"{p.name}: {diff}" for p, diff in diffs)
+            )
+    return ReleaseCheck(version, tuple(problems), tuple(str(p) for p, _ in matched))

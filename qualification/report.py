@@ -1,0 +1,170 @@
+"""The qualification record (JSON), its Markdown report and the per-cell delta plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from qualification.verdict import CellOutcome
+
+__all__ = ["gate_summary", "write_json_atomic", "write_markdown", "write_plot"]
+
+
+def _finite(value: object) -> object:
+    """JSON has no NaN/inf: write them as null (strict parsers reject the literals)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, data: Mapping[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".record-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(_finite(data), handle, indent=2, sort_keys=True, allow_nan=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def gate_summary(outcomes: Sequence[CellOutcome]) -> dict[str, object]:
+    failures = [
+        f"{o.cell}: {g.name}: {g.detail}" for o in outcomes for g in o.gates if g.status == "fail"
+    ]
+    empty = [f"{o.cell}: no pairs ran" for o in outcomes if not o.pairs]
+    return {
+        "passed": bool(outcomes) and not failures and not empty,
+        "failures": failures + empty,
+        "failed_cells": sorted({o.cell for o in outcomes if not o.gates_passed}),
+    }
+
+
+def _fmt(value: object, spec: str = "+.2f") -> str:
+    if isinstance(value, float | int) and math.isfinite(value):
+        return format(value, spec)
+    return "n/a"
+
+
+def write_markdown(
+    path: Path, record: Mapping[str, object], outcomes: Sequence[CellOutcome]
+) -> None:
+    profile = record["profile"]
+    host = record["host"]
+    ext = record["extension"]
+    gate = record["gate"]
+    assert isinstance(profile, Mapping)
+    assert isinstance(host, Mapping)
+    assert isinstance(ext, Mapping)
+    assert isinstance(gate, Mapping)
+    lines = [
+        f"# Qualification: {profile['name']} ({'PASSED' if gate['passed'] else 'FAILED'})",
+        "",
+        f"- Extension: `{ext['id']}` {ext['version']} (commit {ext.get('commit') or 'n/a'})",
+        f"- Host: vllm {host.get('version') or 'unknown'} (commit {host.get('commit') or 'n/a'}); "
+        f"profile range `{profile['host_version_range']}`",
+        f"- Accelerator: {profile['accelerator']}; model `{profile['model']}`; "
+        f"TP {profile['tensor_parallel_size']}; mode {profile['execution_mode']}",
+        f"- Created: {record['created_at']}",
+        "",
+        "A verdict applies to one cell of this lane only (qualification.md).",
+        "",
+        "| Cell | Pairs | Calls per repeat | Throughput Δ % [95% CI] "
+        "| P95 latency Δ % [95% CI] | Gates | Verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        thr, lat = o.deltas["throughput"], o.deltas["latency_p95"]
+        lines.append(
+            f"| {o.cell} | {len(o.pairs)} | {[p.candidate.calls for p in o.pairs]} | "
+            f"{_fmt(thr.mean)} [{_fmt(thr.low)}, {_fmt(thr.high)}] | "
+            f"{_fmt(lat.mean)} [{_fmt(lat.low)}, {_fmt(lat.high)}] | "
+            f"{'pass' if o.gates_passed else 'FAIL'} | **{o.label}** |"
+        )
+    blocked = record.get("blocked_cells")
+    for name in blocked if isinstance(blocked, list) else []:
+        lines.append(f"| {name} | 0 | - | - | - | - | blocked |")
+    lines += ["", "## Gates", ""]
+    for o in outcomes:
+        lines.append(f"### {o.cell}")
+        lines.append("")
+        for g in o.gates:
+            lines.append(f"- {g.name}: **{g.status}**" + (f" — {g.detail}" if g.detail else ""))
+        lines.append(f"- verdict reason: {o.reason}")
+        lines.append("")
+    lines += ["## Raw figures per repeat", ""]
+    lines.append(
+        "| Cell | Rep | First | Arm | tok/s | TTFT P50/P95 s | Latency P50/P95 s | "
+        "Done/Req | Failed | Starved | calls/sel/abst/fail/inv | Short hash |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for o in outcomes:
+        for p in o.pairs:
+            for a in (p.baseline, p.candidate):
+                c = a.counters or {}
+                counters = "/".join(
+                    str(c.get(k, "-"))
+                    for k in (
+                        "calls",
+                        "selections",
+                        "abstentions",
+                        "failures",
+                        "invalid_selections",
+                    )
+                )
+                lines.append(
+                    f"| {o.cell} | {p.repetition} | {p.first} | {a.arm} | "
+                    f"{_fmt(a.throughput, '.2f')} | "
+                    f"{_fmt(a.ttft_p50, '.3f')}/{_fmt(a.ttft_p95, '.3f')} | "
+                    f"{_fmt(a.latency_p50, '.3f')}/{_fmt(a.latency_p95, '.3f')} | "
+                    f"{a.completed}/{a.requests} | {a.failed} | {a.starved} | {counters} | "
+                    f"{a.short_hash or 'n/a'} |"
+                )
+    lines += [
+        "",
+        "Long-output hashes are in the JSON record for information only: long generations "
+        "diverge between two built-in runs under batching, so they are not a gate.",
+        "",
+    ]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def write_plot(path: Path, outcomes: Sequence[CellOutcome]) -> None:
+    """Per-cell mean paired deltas with their 95 % intervals (throughput, P95 latency)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("throughput", "Throughput Δ %"), ("latency_p95", "P95 latency Δ %"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.6 * max(len(outcomes), 2) + 1.5))
+    for ax, (metric, title) in zip(axes, metrics, strict=True):
+        ys = list(range(len(outcomes)))
+        for y, o in zip(ys, outcomes, strict=True):
+            s = o.deltas[metric]
+            if not math.isfinite(s.mean):
+                continue
+            lo = s.mean - s.low if math.isfinite(s.low) else 0.0
+            hi = s.high - s.mean if math.isfinite(s.high) else 0.0
+            ax.errorbar([s.mean], [y], xerr=[[lo], [hi]], fmt="o", capsize=4)
+            ax.scatter(s.deltas, [y] * len(s.deltas), marker="x", s=12, alpha=0.6)
+        ax.axvline(0.0, color="grey", lw=0.8)
+        if metric == "latency_p95":
+            ax.axvline(5.0, color="red", lw=0.8, ls="--")
+        ax.set_yticks(ys)
+        ax.set_yticklabels([f"{o.cell}\n({o.label})" for o in outcomes], fontsize=8)
+        ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

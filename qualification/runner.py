@@ -1,0 +1,319 @@
+"""``run PROFILE``: paired arms per cell and repeat, gates, verdicts and the record.
+
+Arm order within a pair is ``(cell_index + repetition) % 2``: 0 runs the baseline first,
+1 the candidate first, so order alternates across cells and reverses on every repeat
+(cancelling warm-up and drift effects). Every arm is a fresh process launched through
+``vllm-hust-ext run`` with its own manager state directory.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from qualification import RECORD_SCHEMA
+from qualification.errors import QualificationError
+from qualification.manager import Arm, ManagerSession, require_tool
+from qualification.profile import CellSpec, Profile, resolve_profile_path
+from qualification.report import gate_summary, write_json_atomic, write_markdown, write_plot
+from qualification.serve import ServeArm, serve_command, serve_environment
+from qualification.verdict import ArmResult, CellOutcome, Pair, evaluate_cell
+
+__all__ = ["RunResult", "arm_order", "launch_plan", "run_profile"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ArmRunner(Protocol):
+    def __call__(
+        self, arm: Arm, cell: CellSpec, repetition: int, arm_dir: Path, session: ManagerSession
+    ) -> ArmResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    record_path: Path
+    report_path: Path
+    plot_path: Path
+    record: Mapping[str, object]
+    outcomes: tuple[CellOutcome, ...]
+
+    @property
+    def passed(self) -> bool:
+        gate = self.record["gate"]
+        assert isinstance(gate, Mapping)
+        return bool(gate["passed"])
+
+
+def arm_order(cell_index: int, repetition: int) -> tuple[Arm, Arm]:
+    if (cell_index + repetition) % 2 == 0:
+        return ("baseline", "candidate")
+    return ("candidate", "baseline")
+
+
+def _serve_runner(profile: Profile) -> ArmRunner:
+    def run(
+        arm: Arm, cell: CellSpec, repetition: int, arm_dir: Path, session: ManagerSession
+    ) -> ArmResult:
+        return ServeArm(profile, session, arm_dir / "engine.log").run(arm, cell, repetition)
+
+    return run
+
+
+def _replay_runner(profile: Profile) -> ArmRunner:
+    from qualification.replay import run_replay_arm
+
+    def run(
+        arm: Arm, cell: CellSpec, repetition: int, arm_dir: Path, session: ManagerSession
+    ) -> ArmResult:
+        return run_replay_arm(profile, session, arm, cell, repetition, arm_dir)
+
+    return run
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _host_commit() -> str | None:
+    # vLLM-HUST builds expose their commit; stock wheels do not. An operator may declare it.
+    declared = os.environ.get("VLLM_HUST_COMMIT")
+    if declared:
+        return declared
+    try:
+        dist = importlib.metadata.distribution("vllm")
+        text = dist.read_text("direct_url.json") or ""
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    marker = '"commit_id": "'
+    return text.split(marker, 1)[1].split('"', 1)[0] if marker in text else None
+
+
+def _accelerator_facts(kind: str) -> dict[str, object]:
+    facts: dict[str, object] = {"kind": kind}
+    probes = {
+        "cuda": [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,memory.total",
+            "--format=csv,noheader",
+        ],
+        "ascend": ["npu-smi", "info"],
+    }
+    probe = probes.get(kind)
+    if probe and shutil.which(probe[0]):
+        out = subprocess.run(probe, capture_output=True, text=True, check=False)
+        facts["devices"] = out.stdout.strip().splitlines()[:16]
+    facts["torch"] = _dist_version("torch")
+    return facts
+
+
+def host_facts(profile: Profile) -> dict[str, object]:
+    version = profile.host_version or _dist_version("vllm")
+    in_range: bool | None = None
+    if version is not None:
+        try:
+            in_range = Version(version) in SpecifierSet(profile.host_version_range)
+        except InvalidVersion:
+            in_range = False
+    return {
+        "name": "vllm",
+        "version": version,
+        "commit": _host_commit(),
+        "in_profile_range": in_range,
+    }
+
+
+def _extension_facts(extension_id: str) -> dict[str, object]:
+    from qualification.release import read_version
+
+    return {
+        "id": extension_id,
+        "version": read_version(REPO_ROOT, []),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain")),
+    }
+
+
+def _check_tools(profile: Profile) -> None:
+    require_tool(profile.manager.command, "the vLLM-HUST extension manager")
+    if profile.kind == "replay":
+        assert profile.replay is not None
+        require_tool(profile.replay.command, "trace replay")
+    else:
+        assert profile.server is not None
+        require_tool(profile.server.command, "the vLLM server")
+
+
+def run_profile(
+    profile: Profile,
+    out_dir: Path,
+    *,
+    repeats: int | None = None,
+    arm_runner: ArmRunner | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> RunResult:
+    n = repeats or profile.repeats
+    if arm_runner is None:
+        _check_tools(profile)
+        arm_runner = _serve_runner(profile) if profile.kind == "serve" else _replay_runner(profile)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcomes: list[CellOutcome] = []
+    for ci, cell in enumerate(profile.cells):
+        pairs: list[Pair] = []
+        for rep in range(n):
+            order = arm_order(ci, rep)
+            results: dict[Arm, ArmResult] = {}
+            for arm in order:
+                arm_dir = out_dir / "cells" / cell.name / f"rep-{rep}" / arm
+                session = ManagerSession(profile.manager, arm_dir / "manager", dict(os.environ))
+                log(f"[{cell.name} rep {rep}] {arm} arm ...")
+                results[arm] = arm_runner(arm, cell, rep, arm_dir, session)
+                log(
+                    f"[{cell.name} rep {rep}] {arm}: {results[arm].throughput:.2f} tok/s, "
+                    f"calls={results[arm].calls}"
+                )
+            pairs.append(Pair(cell.name, rep, order[0], results["baseline"], results["candidate"]))
+        bound = profile.workload.cancel_drain_bound_s if cell.cancel_after_s is not None else None
+        outcomes.append(
+            evaluate_cell(
+                cell.name,
+                pairs,
+                cancel_bound_s=bound,
+                tensor_parallel_size=profile.tensor_parallel_size,
+            )
+        )
+        log(f"[{cell.name}] verdict: {outcomes[-1].label} ({outcomes[-1].reason})")
+    record = build_record(profile, outcomes, n)
+    record_path = out_dir / "record.json"
+    report_path = out_dir / "report.md"
+    plot_path = out_dir / "deltas.png"
+    write_json_atomic(record_path, record)
+    write_markdown(report_path, record, outcomes)
+    write_plot(plot_path, outcomes)
+    return RunResult(record_path, report_path, plot_path, record, tuple(outcomes))
+
+
+def build_record(profile: Profile, outcomes: list[CellOutcome], repeats: int) -> dict[str, object]:
+    profile_path = resolve_profile_path(profile.name)
+    digest = (
+        hashlib.sha256(profile_path.read_bytes()).hexdigest() if profile_path.is_file() else None
+    )
+    server = profile.server
+    return {
+        "schema": RECORD_SCHEMA,
+        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "profile": {
+            "name": profile.name,
+            "kind": profile.kind,
+            "accelerator": profile.accelerator,
+            "model": profile.model,
+            "tensor_parallel_size": profile.tensor_parallel_size,
+            "execution_mode": profile.execution_mode,
+            "graph_mode": None if server is None or server.enforce_eager else server.graph_mode,
+            "kv_cache_memory_bytes": None if server is None else server.kv_cache_memory_bytes,
+            "num_gpu_blocks_override": None if server is None else server.num_gpu_blocks_override,
+            "host_version_range": profile.host_version_range,
+            "repeats": repeats,
+            "sha256": digest,
+            "definition": profile.model_dump(mode="json"),
+        },
+        "extension": _extension_facts(profile.manager.extension_id),
+        "host": host_facts(profile),
+        "accelerator": _accelerator_facts(profile.accelerator),
+        "platform": {"python": platform.python_version(), "machine": platform.machine()},
+        "cells": [o.as_dict() for o in outcomes],
+        "blocked_cells": list(profile.blocked_cells),
+        "verdicts": {o.cell: o.label for o in outcomes},
+        "gate": gate_summary(outcomes),
+    }
+
+
+def launch_plan(profile: Profile, *, repeats: int | None = None) -> dict[str, object]:
+    """What ``run`` would launch, without launching (``run --dry-run``)."""
+    n = repeats or profile.repeats
+    arms: list[dict[str, object]] = []
+    for ci, cell in enumerate(profile.cells):
+        for rep in range(n):
+            for arm in arm_order(ci, rep):
+                entry: dict[str, object] = {"cell": cell.name, "repetition": rep, "arm": arm}
+                if profile.kind == "serve":
+                    assert profile.server is not None
+                    entry["command"] = serve_command(profile)
+                    entry["environment"] = serve_environment(profile.server, arm)
+                else:
+                    from qualification.replay import replay_command
+
+                    out = Path("<out>") / "cells" / cell.name / f"rep-{rep}" / arm / "replay"
+                    entry["command"] = replay_command(profile, arm, cell, rep, out)
+                    entry["environment"] = dict(
+                        profile.replay.environment if profile.replay else {}
+                    )
+                entry["manager_argv"] = [
+                    *profile.manager.command,
+                    "run",
+                    "--",
+                    *entry["command"],  # type: ignore[misc]
+                ]
+                arms.append(entry)
+    return {"profile": profile.name, "repeats": n, "arms": arms}
+
+
+def render_with_manager(profile: Profile, plan: dict[str, object], state_root: Path) -> None:
+    """Add the manager's own ``run --dry-run`` rendering of the first baseline and candidate
+    arms (private state, declared host facts from ``[manager] dry_run_configuration``)."""
+    require_tool(profile.manager.command, "the vLLM-HUST extension manager")
+    spec = profile.manager.model_copy(
+        update={
+            "configuration": {
+                **profile.manager.configuration,
+                **profile.manager.dry_run_configuration,
+            }
+        }
+    )
+    rendered: dict[str, object] = {}
+    arms = plan["arms"]
+    assert isinstance(arms, list)
+    arm: Arm
+    for arm in ("baseline", "candidate"):
+        entry = next(a for a in arms if a["arm"] == arm)
+        session = ManagerSession(spec, state_root / arm, dict(os.environ))
+        session.prepare(arm)
+        try:
+            rendered[arm] = session.dry_run(entry["command"], entry["environment"])
+        except QualificationError as exc:
+            # e.g. stock vLLM here: the manager refuses `vllm serve` with the bundle
+            # enabled because the host lacks the contract; that refusal is the answer.
+            rendered[arm] = {"refused": str(exc)}
+    plan["manager_dry_run"] = rendered
+
+
+def ensure_out_dir(out: Path | None, profile: Profile) -> Path:
+    if out is not None:
+        return out
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return REPO_ROOT / "qualification" / "records" / f"{profile.name}-{stamp}"

@@ -1,0 +1,287 @@
+"""One arm on a real server: ``vllm-hust-ext run -- vllm serve ...`` (GPU profiles).
+
+Per arm (qualification.md §2): fresh server, wait for ``/health``, one deterministic
+warm-up request (its hash is the short-output gate), scrape ``/metrics``, run the cell,
+scrape again, and for the cancel cell wait for the engine to drain and send the recovery
+request. The server is always stopped in a ``finally`` through the manager, which
+forwards the signal to the engine's process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from qualification.client import RequestResult, RequestSpec, Sampling, fetch_text, run_requests
+from qualification.evidence import (
+    counters_from_evidence,
+    counters_from_metrics,
+    enabled_from_log,
+    gauge,
+    metric_delta,
+    parse_prometheus,
+)
+from qualification.manager import Arm, ManagerSession
+from qualification.profile import CellSpec, Profile, ServerSpec
+from qualification.stats import percentile
+from qualification.verdict import ArmResult
+
+__all__ = ["ServeArm", "build_requests", "serve_command", "serve_environment"]
+
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def serve_command(profile: Profile) -> list[str]:
+    """The ``vllm serve`` argv for both arms (the manager adds the policy to the candidate)."""
+    server = profile.server
+    assert server is not None
+    argv = [*server.command, profile.model, "--host", server.host, "--port", str(server.port)]
+    argv += ["--tensor-parallel-size", str(profile.tensor_parallel_size)]
+    argv += ["--seed", str(profile.workload.seed)]
+    if server.served_model_name:
+        argv += ["--served-model-name", server.served_model_name]
+    if server.enforce_eager:
+        argv.append("--enforce-eager")
+    elif server.graph_mode:
+        compilation = {
+            "cudagraph_mode": server.graph_mode,
+            "cudagraph_capture_sizes": list(server.cudagraph_capture_sizes),
+        }
+        argv += ["--compilation-config", json.dumps(compilation, separators=(",", ":"))]
+    if server.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(server.kv_cache_memory_bytes)]
+    if server.num_gpu_blocks_override is not None:
+        argv += ["--num-gpu-blocks-override", str(server.num_gpu_blocks_override)]
+    if server.max_model_len is not None:
+        argv += ["--max-model-len", str(server.max_model_len)]
+    if server.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(server.max_num_seqs)]
+    if server.scheduler_cls:
+        argv += ["--scheduler-cls", server.scheduler_cls]
+    return [*argv, *server.extra_args]
+
+
+def serve_environment(server: ServerSpec, arm: Arm) -> dict[str, str]:
+    env = dict(server.environment)
+    if arm == "candidate":
+        env.update(server.candidate_environment)
+    return env
+
+
+def build_requests(profile: Profile, cell: CellSpec, repetition: int) -> list[RequestSpec]:
+    """N paragraphs per request, pattern and delays cycled; a per-request prefix keeps
+    prompts distinct so the prefix cache cannot serve one from another."""
+    count = cell.num_requests or max(len(cell.paragraph_repeats), len(cell.delays_s))
+    specs = []
+    for i in range(count):
+        repeats = cell.paragraph_repeats[i % len(cell.paragraph_repeats)]
+        delay = cell.delays_s[i % len(cell.delays_s)]
+        prompt = f"Request {repetition}-{i}. " + profile.workload.paragraph * repeats
+        cancel = cell.cancel_after_s if cell.cancel_after_s is not None and i % 2 == 1 else None
+        specs.append(RequestSpec(i, prompt, cell.max_tokens, delay, cancel))
+    return specs
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    results: list[RequestResult]
+    makespan: float
+    before: str
+    after: str
+    warmup: RequestResult
+    drain_s: float | None
+    recovery_ok: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class ServeArm:
+    profile: Profile
+    session: ManagerSession
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        server = self.profile.server
+        assert server is not None
+        return f"http://{server.host}:{server.port}"
+
+    @property
+    def sampling(self) -> Sampling:
+        server = self.profile.server
+        assert server is not None
+        w = self.profile.workload
+        return Sampling(
+            server.served_model_name or self.profile.model, w.temperature, w.seed, w.ignore_eos
+        )
+
+    def run(self, arm: Arm, cell: CellSpec, repetition: int) -> ArmResult:
+        server = self.profile.server
+        assert server is not None
+        self.session.prepare(arm)
+        argv = self.session.run_argv(serve_command(self.profile))
+        env = self.session.environment(serve_environment(server, arm))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with self.log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                up = self._wait_ready(proc, server.ready_timeout_s)
+                load = asyncio.run(self._load(cell, repetition)) if up else None
+            finally:
+                self._stop(proc, server.stop_timeout_s)
+        return self._result(arm, argv, load, up, time.monotonic() - started)
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            try:
+                status, _ = asyncio.run(fetch_text(self.base_url, "/health", 5.0))
+                if status == 200:
+                    return True
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            time.sleep(2.0)
+        return False
+
+    async def _load(self, cell: CellSpec, repetition: int) -> _Load:
+        w = self.profile.workload
+        warm = RequestSpec(-1, w.warmup_prompt, w.warmup_max_tokens)
+        (warmup,), _ = await run_requests(
+            self.base_url, self.sampling, [warm], concurrency=1, timeout_s=w.request_timeout_s
+        )
+        _, before = await fetch_text(self.base_url, "/metrics")
+        results, makespan = await run_requests(
+            self.base_url,
+            self.sampling,
+            build_requests(self.profile, cell, repetition),
+            concurrency=cell.concurrency,
+            timeout_s=w.request_timeout_s,
+        )
+        drain_s: float | None = None
+        recovery_ok: bool | None = None
+        if cell.cancel_after_s is not None:
+            drain_s = await self._drain(w.cancel_drain_bound_s * 4)
+            rec = RequestSpec(-2, w.recovery_prompt, w.recovery_max_tokens)
+            (answer,), _ = await run_requests(
+                self.base_url, self.sampling, [rec], concurrency=1, timeout_s=w.request_timeout_s
+            )
+            expected = w.recovery_expected
+            recovery_ok = (
+                answer.ok
+                and answer.status == 200
+                and (expected is None or answer.text.strip() == expected)
+            )
+        _, after = await fetch_text(self.base_url, "/metrics")
+        return _Load(results, makespan, before, after, warmup, drain_s, recovery_ok)
+
+    async def _drain(self, give_up_s: float) -> float | None:
+        """Seconds until the engine reports 0 running and 0 waiting (None: never)."""
+        start = time.monotonic()
+        while time.monotonic() - start < give_up_s:
+            _, text = await fetch_text(self.base_url, "/metrics")
+            samples = parse_prometheus(text)
+            running = gauge(samples, "vllm:num_requests_running")
+            waiting = gauge(samples, "vllm:num_requests_waiting")
+            if running == 0 and waiting == 0:
+                return time.monotonic() - start
+            await asyncio.sleep(0.1)
+        return None
+
+    def _stop(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        # The manager forwards the first SIGTERM to the engine's group and escalates to
+        # SIGKILL on a second one; killing the manager itself is the last resort.
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGTERM, 15.0)):
+            if proc.poll() is not None:
+                return
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def _result(
+        self, arm: Arm, argv: Sequence[str], load: _Load | None, up: bool, wall: float
+    ) -> ArmResult:
+        server = self.profile.server
+        assert server is not None
+        log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        log_enabled, log_name = enabled_from_log(log_text)
+        if load is None:
+            return ArmResult(
+                arm=arm,
+                throughput=0.0,
+                ttft_p50=float("nan"),
+                ttft_p95=float("nan"),
+                latency_p50=float("nan"),
+                latency_p95=float("nan"),
+                requests=0,
+                completed=0,
+                started=False,
+                error="server did not become healthy",
+                wall_s=wall,
+                command=tuple(argv),
+                tracebacks=log_text.count(_TRACEBACK),
+                policy_enabled=log_enabled,
+            )
+        before, after = parse_prometheus(load.before), parse_prometheus(load.after)
+        counters, enabled = counters_from_metrics(before, after)
+        ev_counters, ev_enabled, ev_name = counters_from_evidence(self.session.evidence_path)
+        counters = counters if counters is not None else ev_counters
+        enabled = next((e for e in (enabled, ev_enabled, log_enabled) if e is not None), None)
+        done = [r for r in load.results if r.ok]
+        counted = [r for r in load.results if not r.cancelled]
+        tokens = sum(r.output_tokens for r in done)
+        graph = None
+        if server.graph_mode and not server.enforce_eager and server.graph_capture_pattern:
+            graph = server.graph_capture_pattern in log_text
+        ranks = None
+        if self.profile.tensor_parallel_size > 1 and server.tp_rank_pattern:
+            ranks = tuple(sorted({int(m) for m in re.findall(server.tp_rank_pattern, log_text)}))
+        return ArmResult(
+            arm=arm,
+            throughput=tokens / load.makespan if load.makespan > 0 else 0.0,
+            ttft_p50=percentile([r.ttft for r in done if r.ttft is not None], 50),
+            ttft_p95=percentile([r.ttft for r in done if r.ttft is not None], 95),
+            latency_p50=percentile([r.latency for r in done if r.latency is not None], 50),
+            latency_p95=percentile([r.latency for r in done if r.latency is not None], 95),
+            requests=len(counted),
+            completed=len(done),
+            failed=sum(1 for r in counted if not r.ok and not r.timed_out),
+            starved=sum(1 for r in counted if r.timed_out),
+            output_tokens=tokens,
+            counters=counters,
+            policy_enabled=enabled,
+            policy_name=ev_name or log_name,
+            preemptions=metric_delta(before, after, "vllm:num_preemptions"),
+            short_hash=load.warmup.text_hash if load.warmup.ok else None,
+            long_hashes=tuple(r.text_hash for r in done),
+            drain_s=load.drain_s,
+            recovery_ok=load.recovery_ok,
+            tracebacks=log_text.count(_TRACEBACK),
+            graph_captured=graph,
+            tp_ranks=ranks,
+            error=None if load.warmup.ok else f"warm-up failed: {load.warmup.error}",
+            wall_s=wall,
+            command=tuple(argv),
+            extra={
+                "makespan_s": load.makespan,
+                "cancelled": sum(r.cancelled for r in load.results),
+            },
+        )

@@ -1,0 +1,88 @@
+"""Guards the CPU qualification gate end to end: `python -m qualification run cpu-replay`
+launches every arm as a fresh `vllm-hust-ext run -- bidkv-replay ...` process (private
+manager state, bundle disabled for the baseline and enabled for the candidate), and
+produces a record, a Markdown report, a PNG plot and a verdict; the record is accepted by
+the release check's record rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualification import RECORD_SCHEMA
+from qualification.cli import main
+from qualification.release import check_release
+
+REPO = Path(__file__).resolve().parent.parent
+VERDICTS = {"beneficial", "neutral", "not-beneficial-in-tested-cell", "inconclusive"}
+
+
+def _installed(name: str) -> bool:
+    return shutil.which(name) is not None or (Path(sys.executable).parent / name).is_file()
+
+
+pytestmark = pytest.mark.skipif(
+    not (_installed("bidkv-replay") and _installed("vllm-hust-ext")),
+    reason="bidkv-replay and vllm-hust-ext must be installed",
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cpu-replay")
+    assert main(["run", "cpu-replay", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_record_report_plot_and_verdict(run_dir: Path) -> None:
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["schema"] == RECORD_SCHEMA
+    assert record["gate"] == {"passed": True, "failures": [], "failed_cells": []}
+    assert record["host"]["version"].startswith("0.33.")
+    assert record["profile"]["name"] == "cpu-replay"
+    (cell,) = record["cells"]
+    assert cell["verdict"] in VERDICTS
+    assert record["verdicts"] == {cell["cell"]: cell["verdict"]}
+    assert len(cell["pairs"]) == 3
+    assert [p["first"] for p in cell["pairs"]] == ["baseline", "candidate", "baseline"]
+    report = (run_dir / "report.md").read_text()
+    assert f"**{cell['verdict']}**" in report and "PASSED" in report
+    assert (run_dir / "deltas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_arms_differ_only_by_the_bundle(run_dir: Path) -> None:
+    record = json.loads((run_dir / "record.json").read_text())
+    pairs = record["cells"][0]["pairs"]
+    for pair in pairs:
+        base, cand = pair["baseline"], pair["candidate"]
+        # Candidate: the manager rendered the bundle's policy, which the host loaded.
+        assert cand["extra"]["label"] == "bidkv_ext.selector.BidkvPreemptionPolicy"
+        assert cand["policy_enabled"] is True and cand["invoked"] is True
+        assert cand["counters"]["failures"] == 0 == cand["counters"]["invalid_selections"]
+        # Baseline: the built-in victim, never overridden.
+        assert base["extra"]["label"] == "builtin"
+        assert base["counters"]["selections"] == 0
+        assert base["requests"] == base["completed"] and cand["requests"] == cand["completed"]
+    # Repeats replay different windows, so they are distinct samples.
+    assert (
+        len(
+            {p["baseline"]["requests"] for p in pairs}
+            | {p["baseline"]["throughput"] for p in pairs}
+        )
+        > 1
+    )
+    cand_dir = run_dir / "cells" / pairs[0]["cell"] / "rep-0" / "candidate" / "manager"
+    state = json.loads((cand_dir / "config.json").read_text())
+    assert state["extensions"]["org.vllm-hust.bidkv"]["enabled"] is True
+    base_dir = cand_dir.parent.parent / "baseline" / "manager"
+    state = json.loads((base_dir / "config.json").read_text())
+    assert state["extensions"]["org.vllm-hust.bidkv"]["enabled"] is False
+
+
+def test_release_check_accepts_the_record(run_dir: Path) -> None:
+    result = check_release(REPO, [run_dir])
+    assert not any("qualification record" in p for p in result.problems), result.problems

@@ -1,0 +1,175 @@
+"""Guards the GPU profiles' launch plans (no GPU here): `run PROFILE --dry-run` renders the
+exact `vllm serve` command, the per-arm environment, the tensor-parallel and graph-mode
+flags and the KV budget, alternates arm order, and -- through the real `vllm-hust-ext
+run --dry-run` -- shows the baseline unchanged and the candidate gaining the policy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualification.cli import main
+from qualification.profile import PROFILE_DIR, load_profile
+
+MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
+needs_manager = pytest.mark.skipif(
+    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
+)
+
+GRAPH = '{"cudagraph_mode":"FULL_DECODE_ONLY","cudagraph_capture_sizes":[1,2,4,8]}'
+EXPECTED = {
+    "ascend-tp4": (
+        [
+            "vllm",
+            "serve",
+            "Qwen3.8-27B",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "8000",
+            "--tensor-parallel-size",
+            "4",
+            "--seed",
+            "7",
+            "--compilation-config",
+            GRAPH,
+            "--kv-cache-memory-bytes",
+            "1073741824",
+            "--max-model-len",
+            "90000",
+        ],
+        {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"},
+    ),
+    "cuda": (
+        [
+            "vllm",
+            "serve",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "8000",
+            "--tensor-parallel-size",
+            "1",
+            "--seed",
+            "7",
+            "--compilation-config",
+            GRAPH,
+            "--kv-cache-memory-bytes",
+            "2147483648",
+            "--max-model-len",
+            "8192",
+        ],
+        {"CUDA_VISIBLE_DEVICES": "0"},
+    ),
+}
+POLICY_ENV = {
+    "BIDKV_UTILITY_CASCADE_GAIN_RATIO": "1.25",
+    "BIDKV_UTILITY_ENABLE": "1",
+    "BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "2",
+    "BIDKV_UTILITY_STRATEGY": "bidkv",
+    "VLLMHUST_EXT_ENABLED_BUNDLES": "org.vllm-hust.bidkv",
+}
+
+
+def _plan(profile: str, capsys: pytest.CaptureFixture[str], repeats: int = 2) -> dict[str, object]:
+    assert main(["run", profile, "--dry-run", "--repeats", str(repeats)]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+@needs_manager
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_gpu_plan_is_exact(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    command, env = EXPECTED[name]
+    plan = _plan(name, capsys)
+    arms = plan["arms"]
+    assert isinstance(arms, list)
+    profile = load_profile(name)
+    assert len(arms) == len(profile.cells) * 2 * 2
+    for entry in arms:
+        assert entry["command"] == command
+        assert entry["manager_argv"][1:] == ["run", "--", *command]
+        expected_env = dict(env)
+        if entry["arm"] == "candidate":
+            expected_env["VLLM_ENGINE_EXTRA_ENV_PREFIXES"] = "BIDKV_UTILITY_"
+        assert entry["environment"] == expected_env
+    # Order: (cell_index + repetition) % 2 == 0 -> baseline first.
+    firsts = [(a["cell"], a["repetition"], a["arm"]) for a in arms[::2]]
+    cells = [c.name for c in profile.cells]
+    assert firsts == [
+        (c, r, "baseline" if (i + r) % 2 == 0 else "candidate")
+        for i, c in enumerate(cells)
+        for r in range(2)
+    ]
+    rendered = plan["manager_dry_run"]
+    # Baseline: bundle disabled, the manager launches the command unchanged.
+    assert rendered["baseline"]["command"] == command
+    assert rendered["baseline"]["environment"] == {"VLLMHUST_EXT_ENABLED_BUNDLES": ""}
+    # Candidate on this machine: stock vLLM has no contract, so the manager fails closed.
+    assert "refused" in rendered["candidate"]
+    assert "lacks the vllm.preemption-policy contract" in rendered["candidate"]["refused"]
+
+
+@needs_manager
+def test_candidate_gains_policy_flag_and_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A host launched by a command other than `vllm serve` (here the module form) is
+    # rendered like a vLLM-HUST host: the manager appends the policy flag.
+    text = (PROFILE_DIR / "ascend-tp4.toml").read_text()
+    module_cmd = '["python", "-m", "vllm.entrypoints.cli.main", "serve"]'
+    variant = tmp_path / "ascend-module.toml"
+    variant.write_text(text.replace('command = ["vllm", "serve"]', f"command = {module_cmd}"))
+    plan = _plan(str(variant), capsys, repeats=1)
+    command = ["python", "-m", "vllm.entrypoints.cli.main", *EXPECTED["ascend-tp4"][0][1:]]
+    candidate = plan["manager_dry_run"]["candidate"]
+    assert candidate["command"] == [
+        *command,
+        "--preemption-policy",
+        "bidkv_ext.selector.BidkvPreemptionPolicy",
+    ]
+    assert candidate["environment"] == POLICY_ENV
+    native = candidate["native_extension_manifests"]["org.vllm-hust.bidkv"]
+    assert native["components"][0]["contracts"] == ["vllm.preemption-policy.v1"]
+    assert plan["manager_dry_run"]["baseline"]["command"] == command
+
+
+def test_eager_and_block_budget_variants(tmp_path: Path) -> None:
+    from qualification.serve import serve_command
+
+    text = (PROFILE_DIR / "cuda.toml").read_text()
+    text = text.replace("kv_cache_memory_bytes = 2147483648", "num_gpu_blocks_override = 512")
+    text = text.replace("[server]\n", '[server]\nenforce_eager = true\nscheduler_cls = "a.B"\n')
+    variant = tmp_path / "eager.toml"
+    variant.write_text(text)
+    argv = serve_command(load_profile(str(variant)))
+    assert "--enforce-eager" in argv and "--compilation-config" not in argv
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "512"
+    assert argv[argv.index("--scheduler-cls") + 1] == "a.B"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name = 'x'\n", "kind"),
+        ("not toml [", "cannot be read as TOML"),
+    ],
+)
+def test_bad_profile_is_one_line(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    assert main(["run", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qualification: error: profile ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_unknown_profile_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "no-such-profile", "--dry-run"]) == 2
+    assert "expected one of" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""Guards `python -m qualification release-check`: versions must agree across
+`_version.py`, pyproject, every registered manifest and CHANGELOG.md, and a passing record
+for the manifest's host range (and, when present, its `_manager_runtime_qualification`
+profile) must exist; failures list everything missing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qualification import RECORD_SCHEMA
+from qualification.cli import main
+from qualification.release import check_release
+
+REPO = Path(__file__).resolve().parent.parent
+
+PYPROJECT = """\
+[project]
+name = "vllm-hust-bidkv"
+dynamic = ["version"]
+
+[project.entry-points."vllm_hust.extension_bundles"]
+"org.vllm-hust.bidkv" = "manifests.bidkv"
+
+[tool.setuptools.dynamic]
+version = { attr = "bidkv_ext._version.__version__" }
+"""
+
+
+def _tree(tmp: Path, version: str = "1.2.3", profile: dict[str, object] | None = None) -> Path:
+    root = tmp / "repo"
+    (root / "src" / "bidkv_ext").mkdir(parents=True)
+    (root / "src" / "bidkv_ext" / "_version.py").write_text(f'__version__ = "{version}"\n')
+    (root / "pyproject.toml").write_text(PYPROJECT)
+    manifest = json.loads((REPO / "manifests/bidkv/vllm-hust-extension-v0.2.json").read_text())
+    manifest["extension_version"] = version
+    if profile is not None:
+        manifest["activation"]["additional_config"] = {"_manager_runtime_qualification": profile}
+    (root / "manifests" / "bidkv").mkdir(parents=True)
+    (root / "manifests/bidkv/vllm-hust-extension-v0.2.json").write_text(json.dumps(manifest))
+    (root / "CHANGELOG.md").write_text(
+        f"# Changelog\n\n## [Unreleased]\n\n## [{version}] - 2026-10-01\n"
+    )
+    return root
+
+
+def _record(
+    dest: Path,
+    *,
+    version: str = "1.2.3",
+    host: str = "0.33.0",
+    passed: bool = True,
+    accelerator: str = "cuda",
+    tp: int = 1,
+) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema": RECORD_SCHEMA,
+        "extension": {"id": "org.vllm-hust.bidkv", "version": version, "commit": None},
+        "host": {"name": "vllm", "version": host},
+        "profile": {
+            "name": "x",
+            "accelerator": accelerator,
+            "model": "M",
+            "tensor_parallel_size": tp,
+            "execution_mode": "graph",
+        },
+        "gate": {"passed": passed, "failures": [] if passed else ["cell: gate"]},
+    }
+    path = dest / "record.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_passing_release(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _tree(tmp_path)
+    _record(tmp_path / "records" / "run1")
+    result = check_release(root, [tmp_path / "records"])
+    assert result.passed, result.problems
+    assert result.version == "1.2.3"
+    assert main(["release-check", "--root", str(root), "--records", str(tmp_path / "records")]) == 0
+    assert "passed for 1.2.3" in capsys.readouterr().out
+
+
+def test_every_problem_is_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _tree(tmp_path)
+    (root / "CHANGELOG.md").write_text("# Changelog\n\n## [Unreleased]\n")
+    manifest = root / "manifests/bidkv/vllm-hust-extension-v0.2.json"
+    doc = json.loads(manifest.read_text())
+    doc["extension_version"] = "1.2.2"
+    manifest.write_text(json.dumps(doc))
+    result = check_release(root, [tmp_path / "none"])
+    text = "\n".join(result.problems)
+    assert "extension_version 1.2.2 != 1.2.3" in text
+    assert "no released section '## [1.2.3]'" in text
+    assert "no passing qualification record" in text
+    assert len(result.problems) == 3
+    code = main(["release-check", "--root", str(root), "--records", str(tmp_path / "none")])
+    assert code == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_static_pyproject_version_must_agree(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    (root / "pyproject.toml").write_text(
+        PYPROJECT.replace('dynamic = ["version"]', 'version = "9.9"')
+    )
+    _record(tmp_path / "records")
+    problems = check_release(root, [tmp_path / "records"]).problems
+    assert problems == ("pyproject.toml version 9.9 != _version.py 1.2.3",)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"passed": False}, "gate did not pass"),
+        ({"version": "1.2.2"}, "extension version 1.2.2 != 1.2.3"),
+        ({"host": "0.34.0"}, "host version 0.34.0 outside"),
+    ],
+)
+def test_record_must_pass_for_this_version_and_host_range(
+    tmp_path: Path, kw: dict[str, object], why: str
+) -> None:
+    root = _tree(tmp_path)
+    _record(tmp_path / "records", **kw)  # type: ignore[arg-type]
+    result = check_release(root, [tmp_path / "records"])
+    assert not result.passed
+    assert why in result.problems[0]
+
+
+def test_manifest_profile_must_match_a_record(tmp_path: Path) -> None:
+    profile = {
+        "accelerator": "ascend",
+        "model": "M",
+        "tensor_parallel_size": 4,
+        "execution_mode": "graph",
+        "functional_compatibility": {"status": "passed"},
+    }
+    root = _tree(tmp_path, profile=profile)
+    _record(tmp_path / "records" / "cuda")
+    result = check_release(root, [tmp_path / "records"])
+    assert not result.passed
+    assert "_manager_runtime_qualification" in result.problems[0]
+    assert "'accelerator': ('ascend', 'cuda')" in result.problems[0]
+    _record(tmp_path / "records" / "ascend", accelerator="ascend", tp=4)
+    assert check_release(root, [tmp_path / "records"]).passed
+
+
+def test_the_repository_itself_is_checked(tmp_path: Path) -> None:
+    # Today's tree: whatever it lacks is listed, nothing raises.
+    result = check_release(REPO, [tmp_path])
+    assert result.version is not None
+    assert any("no passing qualification record" in p for p in result.problems)
+
+
+def test_missing_version_file(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    shutil.rmtree(root / "src")
+    result = check_release(root, [])
+    assert not result.passed and "_version.py" in result.problems[0]

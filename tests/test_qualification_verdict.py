@@ -1,0 +1,176 @@
+"""Guards the per-cell verdict rules (qualification.md §7, one test per label, including
+`inconclusive` when a candidate repeat made zero policy calls), the functional gates, and
+the arm-order alternation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from qualification.runner import arm_order
+from qualification.verdict import ArmResult, Pair, evaluate_cell
+
+
+def _arm(arm: str, throughput: float, p95: float, *, calls: int = 10, **kw: object) -> ArmResult:
+    counters = {
+        "calls": calls,
+        "selections": 1,
+        "abstentions": calls - 1,
+        "failures": 0,
+        "invalid_selections": 0,
+    }
+    if arm == "baseline":
+        counters = {k: 0 for k in counters}
+    defaults: dict[str, object] = {
+        "ttft_p50": 0.1,
+        "ttft_p95": 0.2,
+        "latency_p50": p95 / 2,
+        "requests": 4,
+        "completed": 4,
+        "counters": counters,
+        "policy_enabled": arm == "candidate",
+        "short_hash": "abc",
+    }
+    defaults.update(kw)
+    return ArmResult(arm=arm, throughput=throughput, latency_p95=p95, **defaults)  # type: ignore[arg-type]
+
+
+def _pairs(
+    candidate: Sequence[tuple[float, float]],
+    calls: Sequence[int] | None = None,
+    baseline_kw: dict[str, object] | None = None,
+    **kw: object,
+) -> list[Pair]:
+    calls = calls or [10] * len(candidate)
+    return [
+        Pair(
+            "cell",
+            r,
+            "baseline",
+            _arm("baseline", 100.0, 10.0, **(baseline_kw or {})),
+            _arm("candidate", thr, p95, calls=c, **kw),
+        )
+        for r, ((thr, p95), c) in enumerate(zip(candidate, calls, strict=True))
+    ]
+
+
+def _verdict(pairs: list[Pair]) -> str:
+    return evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1).label
+
+
+def test_beneficial() -> None:
+    # throughput +5, +6, +7 % (CI > 0); P95 latency -1..+1 % (CI upper <= +5 %)
+    assert _verdict(_pairs([(105, 9.9), (106, 10.0), (107, 10.1)])) == "beneficial"
+
+
+def test_beneficial_needs_latency_bound() -> None:
+    # throughput clearly up but P95 latency interval reaches above +5 %
+    assert _verdict(_pairs([(105, 10.4), (106, 10.6), (107, 10.8)])) == "neutral"
+
+
+def test_not_beneficial_by_throughput() -> None:
+    # the spec's interactive cell: -25.94, -25.01, -25.00 %
+    outcome = evaluate_cell(
+        "cell",
+        _pairs([(74.06, 13.4), (74.99, 13.5), (75.0, 13.45)]),
+        cancel_bound_s=None,
+        tensor_parallel_size=1,
+    )
+    assert outcome.label == "not-beneficial-in-tested-cell"
+    assert outcome.deltas["throughput"].high < 0
+
+
+def test_not_beneficial_by_latency_alone() -> None:
+    assert _verdict(_pairs([(99, 11.0), (101, 11.1), (100, 10.9)])) == (
+        "not-beneficial-in-tested-cell"
+    )
+
+
+def test_neutral_when_intervals_overlap() -> None:
+    assert _verdict(_pairs([(101.23, 9.9), (99.5, 10.1), (100.4, 10.0)])) == "neutral"
+
+
+def test_inconclusive_when_a_repeat_has_zero_calls() -> None:
+    # the spec's ascending-mixed cell: calls 63, 0, 63
+    pairs = _pairs([(100.33, 9.97), (238.38, 4.0), (100.12, 9.99)], calls=[63, 0, 63])
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    assert outcome.label == "inconclusive"
+    assert "[1]" in outcome.reason
+    assert outcome.gates_passed  # invoked in some repeat: runtime effective, gates hold
+
+
+def test_inconclusive_with_fewer_than_three_pairs() -> None:
+    assert _verdict(_pairs([(110, 9.0), (111, 9.0)])) == "inconclusive"
+
+
+def test_gate_failure_is_not_classifiable() -> None:
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)])
+    bad = _arm("candidate", 106, 10.0, failed=1, completed=3)
+    pairs[1] = Pair("cell", 1, "candidate", pairs[1].baseline, bad)
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    assert outcome.label == "gate-failed"
+    failed = [g.name for g in outcome.gates if g.status == "fail"]
+    assert failed == ["no-failed-or-starved"]
+
+
+@pytest.mark.parametrize(
+    ("change", "gate"),
+    [
+        ({"short_hash": "zzz"}, "short-output-identical"),
+        ({"starved": 1}, "no-failed-or-starved"),
+        ({"policy_enabled": False}, "policy-enabled-and-invoked"),
+        ({"counters": None}, "zero-policy-failures"),
+        ({"started": False}, "recovers-after-restart"),
+        ({"recovery_ok": False}, "recovers-after-restart"),
+        ({"tracebacks": 2}, "zero-tracebacks"),
+        ({"graph_captured": False}, "graph-capture-and-tp-ranks"),
+    ],
+)
+def test_each_gate_fails_the_cell(change: dict[str, object], gate: str) -> None:
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], **change)
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    assert gate in [g.name for g in outcome.gates if g.status == "fail"]
+    assert outcome.label == "gate-failed"
+
+
+def test_policy_failures_fail_the_gate() -> None:
+    counters = {
+        "calls": 5,
+        "selections": 1,
+        "abstentions": 3,
+        "failures": 1,
+        "invalid_selections": 0,
+    }
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], counters=counters)
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    assert [g.name for g in outcome.gates if g.status == "fail"] == ["zero-policy-failures"]
+
+
+def test_never_invoked_fails_the_gate() -> None:
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], calls=[0, 0, 0])
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    assert "policy-enabled-and-invoked" in [g.name for g in outcome.gates if g.status == "fail"]
+
+
+def test_cancellation_drain_bound() -> None:
+    pairs = _pairs(
+        [(105, 9.9), (106, 10.0), (107, 10.1)], baseline_kw={"drain_s": 0.3}, drain_s=0.4
+    )
+    ok = evaluate_cell("cell", pairs, cancel_bound_s=1.0, tensor_parallel_size=1)
+    slow = evaluate_cell("cell", pairs, cancel_bound_s=0.1, tensor_parallel_size=1)
+    assert {g.name: g.status for g in ok.gates}["cancellation-drains"] == "pass"
+    assert {g.name: g.status for g in slow.gates}["cancellation-drains"] == "fail"
+
+
+def test_all_tp_ranks_must_be_seen() -> None:
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], tp_ranks=(0, 1, 3))
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=4)
+    assert {g.name: g.status for g in outcome.gates}["graph-capture-and-tp-ranks"] == "fail"
+
+
+def test_arm_order_alternates_across_cells_and_reverses_each_repeat() -> None:
+    assert arm_order(0, 0) == ("baseline", "candidate")
+    assert arm_order(0, 1) == ("candidate", "baseline")
+    assert arm_order(1, 0) == ("candidate", "baseline")
+    assert arm_order(1, 1) == ("baseline", "candidate")
