@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from operator import attrgetter, indexOf
-from typing import Any, Protocol
+from typing import Any
 
 from bidkv_ext.contract import (
     PreemptionContext,
@@ -40,10 +40,9 @@ _NOT_A_POLICY = "preemption_policy must resolve to an object implementing Preemp
 _WRONG_THREAD = "PreemptionPolicyController must be used by its scheduler thread"
 
 
-class EvidenceSink(Protocol):
-    """Receives controller lifecycle events; failures in it are swallowed."""
-
-    def __call__(self, event: str, stats: dict[str, object]) -> None: ...
+# Receives controller lifecycle events ("initialized", "effective", "disabled") with the
+# exported counters; any failure in it is swallowed.
+EvidenceSink = Callable[[str, dict[str, object]], None]
 
 
 def builtin_victim_id(context: PreemptionContext) -> str:

@@ -1,0 +1,197 @@
+"""Stock vLLM ``Scheduler`` subclasses whose victim choice goes through a policy controller.
+
+Use with ``scheduler_cls`` / ``--scheduler-cls bidkv_ext.hosts.vllm.PolicyScheduler`` (or
+``PolicyAsyncScheduler`` with async scheduling; ``bidkv_ext.hosts.vllm.policy_scheduler``
+picks the one matching ``scheduler_config.async_scheduling``). The policy comes from the
+constructor argument ``preemption_policy=`` or, when that is ``None``, from
+``vllm_config.additional_config["preemption_policy"]`` (a dotted path, loaded by the
+contract's rules). The adapter emulates the vLLM-HUST call site (preemption-contract.md
+section 8); ``schedule`` itself is the installed method rewritten by
+:mod:`bidkv_ext.hosts.vllm.rewrite` when this module is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import vllm
+from vllm.config import VllmConfig
+from vllm.v1.core.sched import scheduler as _sched_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from bidkv_ext.contract import (
+    CandidateFacts,
+    PreemptionCandidate,
+    PreemptionContext,
+    PreemptionContextFacts,
+)
+from bidkv_ext.controller import PolicyController
+from bidkv_ext.evidence import evidence_sink_from_env
+from bidkv_ext.hosts.vllm.rewrite import build_schedule, check_host
+
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY",
+    "PolicyAsyncScheduler",
+    "PolicyScheduler",
+    "PolicySchedulerMixin",
+    "policy_scheduler",
+    "select_scheduler_cls",
+]
+
+logger = logging.getLogger("bidkv_ext.hosts.vllm")
+
+ADDITIONAL_CONFIG_KEY = "preemption_policy"
+"""Key of ``--additional-config`` holding the policy's dotted path (stock vLLM has no flag)."""
+
+# Fail at import (class creation) on an unknown vLLM or a changed file, before any engine
+# starts; the rewrite below fails the same way on an unknown shape.
+_HOST = check_host(vllm.__version__)
+_REWRITTEN_SCHEDULE = build_schedule(
+    Scheduler.schedule, _sched_module.__dict__, version=_HOST.version
+)
+
+_PRIORITY = SchedulingPolicy.PRIORITY
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+def _policy_spec(vllm_config: VllmConfig, explicit: object) -> object:
+    if explicit is not None:
+        return explicit
+    additional = getattr(vllm_config, "additional_config", None)
+    if isinstance(additional, dict):
+        return additional.get(ADDITIONAL_CONFIG_KEY)
+    return None
+
+
+class PolicySchedulerMixin:
+    """The adapter half: owns the controller and answers the rewritten ``schedule``.
+
+    Mixed in before a vLLM scheduler class; relies on its ``running``, ``policy``,
+    ``requests``, ``kv_cache_manager`` and ``num_lookahead_tokens`` attributes.
+    """
+
+    controller: PolicyController
+    schedule = _REWRITTEN_SCHEDULE
+
+    # Attributes provided by the vLLM scheduler this is mixed into.
+    running: list[Request]
+    policy: SchedulingPolicy
+    requests: dict[str, Request]
+    kv_cache_manager: Any
+    num_lookahead_tokens: int
+    block_size: int
+
+    def __init__(self, *args: Any, preemption_policy: object = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config: VllmConfig = self.vllm_config  # type: ignore[attr-defined]
+        self.controller = PolicyController.from_spec(
+            _policy_spec(vllm_config, preemption_policy),
+            vllm_config,
+            evidence=evidence_sink_from_env(),
+        )
+
+    def _bidkv_select_victim(self, request: Request, now: float, num_new_tokens: int) -> Request:
+        """Choose the request to preempt so that ``request`` can get KV blocks.
+
+        Called by the rewritten ``schedule`` each time allocation fails. The stock choice
+        is computed first; with no live policy it is returned without building a context.
+        """
+        running = self.running
+        builtin = max(running, key=_priority_key) if self.policy is _PRIORITY else running[-1]
+        controller = self.controller
+        if not controller.enabled:
+            return builtin
+        context = PreemptionContext(
+            tuple(
+                [
+                    PreemptionCandidate(
+                        r.request_id,
+                        r.priority,
+                        r.arrival_time,
+                        r.num_prompt_tokens,
+                        r.num_output_tokens,
+                        r.num_computed_tokens,
+                        r.num_preemptions,
+                        r.max_tokens,
+                    )
+                    for r in running
+                ]
+            ),
+            self.policy.value,  # "fcfs" or "priority"
+            request.request_id,
+            self.kv_cache_manager.usage,
+            now,
+            builtin.request_id,
+        )
+        facts = self._host_facts(request, num_new_tokens) if controller.wants_facts else None
+        victim_id = controller.select_victim(context, facts)
+        if victim_id == builtin.request_id:
+            return builtin
+        # The controller only returns candidate ids, and every candidate is running.
+        return self.requests[victim_id]
+
+    def _host_facts(self, request: Request, num_new_tokens: int) -> PreemptionContextFacts:
+        """Optional block facts, computed only for policies that ask for them.
+
+        ``needed_blocks`` is an estimate: the blocks (first KV-cache group) that
+        ``request`` needs to hold ``num_computed_tokens + num_new_tokens + lookahead``
+        tokens, minus the blocks it already holds, minus the pool's free blocks (cached
+        free blocks count as free, as the allocator evicts them). Multi-group models and
+        sliding-window frees are not modelled.
+        """
+        manager = self.kv_cache_manager
+        block_size = self.block_size
+        facts: dict[str, CandidateFacts] = {}
+        for r in self.running:
+            exclusive = cached = total = 0
+            for group in manager.get_blocks(r.request_id).blocks:
+                for block in group:
+                    if block.is_null:
+                        continue
+                    total += 1
+                    if block.ref_cnt == 1:
+                        exclusive += 1
+                        if block.block_hash is not None:
+                            cached += 1
+            facts[r.request_id] = CandidateFacts(exclusive, cached, total)
+        held = facts[request.request_id].total_blocks if request.request_id in facts else 0
+        tokens = request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens
+        required = -(-tokens // block_size) - held
+        free = manager.block_pool.get_num_free_blocks()
+        return PreemptionContextFacts(block_size, max(0, required - free), facts)
+
+    def shutdown(self) -> None:
+        self.controller.emit_effective()
+        super().shutdown()  # type: ignore[misc]
+
+
+class PolicyScheduler(PolicySchedulerMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` with policy-routed victim choice."""
+
+
+class PolicyAsyncScheduler(PolicySchedulerMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with policy-routed victim choice."""
+
+
+def select_scheduler_cls(vllm_config: VllmConfig) -> type[Scheduler]:
+    """``PolicyAsyncScheduler`` when async scheduling is on, else ``PolicyScheduler``."""
+    if vllm_config.scheduler_config.async_scheduling:
+        return PolicyAsyncScheduler
+    return PolicyScheduler
+
+
+def policy_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """A ``scheduler_cls`` factory: builds the variant matching ``async_scheduling``."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    if not isinstance(vllm_config, VllmConfig):
+        raise TypeError("policy_scheduler needs vllm_config (a VllmConfig)")
+    cls: Callable[..., Scheduler] = select_scheduler_cls(vllm_config)
+    return cls(*args, **kwargs)

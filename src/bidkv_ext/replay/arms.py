@@ -1,0 +1,165 @@
+"""The policy arms of a replay: what each arm hands the host as its preemption policy.
+
+Every arm runs on the identical trace, scheduler settings, KV budget and step-time model;
+only the victim function differs (evaluation.md, ground rule).
+
+Arm kinds
+---------
+``named``
+    A strategy of our selector: the host loads ``BidkvPreemptionPolicy`` through
+    ``from_vllm_config`` (as it would on a server) with ``additional_config["bidkv"]``
+    carrying ``enabled=True, strategy=<name>, seed=<seed>`` over the user's own section, so
+    the policy is ``BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy=<name>,
+    seed=<seed>, ...))`` plus the engine's block size and prefix-caching facts. (An instance
+    would not do: the host calls ``from_vllm_config`` on any object that has it.)
+``host``
+    ``--preemption-policy module.Object``: the spec string goes to the host, which loads it
+    with the controller's ``from_spec(spec, vllm_config)`` (so ``from_vllm_config`` sees the
+    ``--additional-config`` object and the ``BIDKV_UTILITY_*`` environment), exactly as
+    ``vllm serve`` would.
+``class``
+    ``--policy-class module:Object``: any contract implementation, loaded by the same rules.
+``reference``
+    The clairvoyant shortest-remaining oracle (O1 of evaluation.md section 3). It reads the
+    trace's true output lengths, which no online policy has. It is a reference line, not a
+    bound: a policy may beat it on some metric.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from bidkv_ext.contract import PreemptionContext
+
+__all__ = [
+    "CLAIRVOYANT",
+    "Arm",
+    "ArmError",
+    "ClairvoyantShortestRemaining",
+    "named_arm",
+    "parse_arms",
+]
+
+CLAIRVOYANT = "clairvoyant"
+"""Name of the reference arm in ``--policies``."""
+
+ArmKind = Literal["named", "host", "class", "reference"]
+PolicyFactory = Callable[[Mapping[str, int]], object]
+"""Builds the arm's policy spec; receives the true output length per request id."""
+
+
+class ArmError(ValueError):
+    """An arm that cannot be built (unknown name, unimportable class)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One policy arm. ``bidkv_overrides`` is merged into ``additional_config["bidkv"]``."""
+
+    label: str
+    kind: ArmKind
+    factory: PolicyFactory
+    bidkv_overrides: Mapping[str, object] | None = None
+
+    @property
+    def reference(self) -> bool:
+        return self.kind == "reference"
+
+
+class ClairvoyantShortestRemaining:
+    """O1: evict the request with the most true remaining output (ties: least computed).
+
+    ``true_output`` maps request id to the trace's output length. The Belady analogue:
+    the victim is the request whose memory would stay occupied longest.
+    """
+
+    __slots__ = ("_true_output",)
+
+    def __init__(self, true_output: Mapping[str, int]) -> None:
+        self._true_output = true_output
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        best_id: str | None = None
+        best_key = (-1, 0)
+        true_output = self._true_output
+        for c in context.candidates:
+            remaining = true_output.get(c.request_id, c.max_tokens) - c.num_output_tokens
+            key = (remaining, -c.num_computed_tokens)
+            if key > best_key:
+                best_key = key
+                best_id = c.request_id
+        return best_id
+
+
+def _strategy_names() -> frozenset[str]:
+    from bidkv_ext.strategies import STRATEGY_NAMES
+
+    return frozenset(STRATEGY_NAMES)
+
+
+def named_arm(name: str, seed: int) -> Arm:
+    """An arm for a ``--policies`` entry: a selector strategy or ``clairvoyant``."""
+    if name == CLAIRVOYANT:
+        return Arm(
+            "clairvoyant (reference)",
+            "reference",
+            lambda lengths: ClairvoyantShortestRemaining(lengths),
+        )
+    known = _strategy_names()
+    if name not in known:
+        accepted = ", ".join(sorted(known | {CLAIRVOYANT}))
+        raise ArmError(f"--policies: unknown policy {name!r}; accepted: {accepted}")
+
+    def factory(_lengths: Mapping[str, int]) -> object:
+        from bidkv_ext.selector import BidkvPreemptionPolicy
+
+        return BidkvPreemptionPolicy
+
+    overrides = {"enabled": True, "kill_switch": False, "strategy": name, "seed": seed}
+    return Arm(name, "named", factory, overrides)
+
+
+def _host_arm(spec: str) -> Arm:
+    module, _, attr = spec.rpartition(".")
+    if not module or not attr or ":" in spec:
+        raise ArmError(f"--preemption-policy must be a dotted path 'module.Object', got {spec!r}")
+    return Arm(spec, "host", lambda _lengths: spec)
+
+
+def _class_arm(spec: str) -> Arm:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ArmError(f"--policy-class must look like 'module:Object', got {spec!r}")
+    try:
+        obj: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ArmError(f"--policy-class {spec!r} cannot be imported: {exc}") from None
+    return Arm(spec, "class", lambda _lengths: obj)
+
+
+def parse_arms(
+    policies: str | None,
+    *,
+    preemption_policy: str | None,
+    policy_classes: list[str],
+    seed: int,
+) -> tuple[Arm, ...]:
+    """Arms in command-line order: ``--policies`` names, then host spec, then classes."""
+    arms: list[Arm] = []
+    if policies:
+        for name in (p.strip() for p in policies.split(",")):
+            if name:
+                arms.append(named_arm(name, seed))
+    if preemption_policy is not None:
+        arms.append(_host_arm(preemption_policy))
+    arms.extend(_class_arm(spec) for spec in policy_classes)
+    labels = [a.label for a in arms]
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ArmError(f"policy arms given twice: {', '.join(duplicates)}")
+    return tuple(arms)

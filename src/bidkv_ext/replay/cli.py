@@ -1,0 +1,326 @@
+"""``bidkv-replay``: replay a request trace through the real vLLM scheduler, per victim policy.
+
+With no arguments it replays the bundled Azure conversation sample for ``builtin``,
+``least-computed-first`` and ``bidkv`` at a KV budget that causes preemptions, and writes
+``report.json``, ``timing.json``, ``report.md``, ``ttft_cdf.png`` and ``bars.png`` to
+``./bidkv-replay-out/``.
+
+Host-shaped flags (as ``vllm serve`` takes them, so ``vllm-hust-ext run -- bidkv-replay``
+works): ``--preemption-policy module.Object`` adds an arm whose policy the host loads
+through the controller (``from_vllm_config`` sees ``--additional-config`` and the
+``BIDKV_UTILITY_*`` environment); ``--additional-config JSON`` reaches every arm's
+``VllmConfig.additional_config``.
+
+Bad input (trace rows, files, flags, configuration) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bidkv_ext.replay.arms import Arm, ArmError, parse_arms
+from bidkv_ext.replay.steptime import PRESETS, StepTimeModelError, load_step_model
+from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace, select_requests
+
+__all__ = ["DEFAULT_POLICIES", "SAMPLE_NUM_GPU_BLOCKS", "SAMPLE_TRACE", "build_parser", "main"]
+
+SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "azure_conv_sample.csv"
+SAMPLE_ATTRIBUTION = (
+    "Bundled sample: the first 1,000 rows of the Azure LLM inference trace 2023 "
+    "(conversation), CC-BY-4.0. P. Patel, E. Choukse, C. Zhang, A. Shah, I. Goiri, S. Maleki, "
+    "R. Bianchini, \"Splitwise: Efficient generative LLM inference using phase splitting\", "
+    "ISCA 2024. Source: https://github.com/Azure/AzurePublicDataset (see data/NOTICE)."
+)
+DEFAULT_POLICIES = "builtin,least-computed-first,bidkv"
+SAMPLE_NUM_GPU_BLOCKS = 1600
+"""KV budget of the embedded default: enough preemption on the sample to separate arms."""
+DEFAULT_NUM_GPU_BLOCKS = 4096
+DEFAULT_OUTPUT_DIR = Path("bidkv-replay-out")
+SCHEMA = "bidkv-replay/1"
+
+
+class _UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bidkv-replay",
+        description="Replay a request trace through the real vLLM scheduler and compare "
+        "KV-cache victim policies on a simulated clock.",
+    )
+    add = p.add_argument
+    add("--trace", type=Path, default=None,
+        help="Azure 2023 CSV or Mooncake JSONL (default: the bundled Azure conv sample)")
+    add("--format", choices=("auto", "azure", "mooncake"), default="auto")
+    add("--start", type=float, default=0.0, help="window start, seconds of trace time")
+    add("--duration", type=float, default=None, help="window length, seconds of trace time")
+    add("--max-requests", type=int, default=None, help="keep the first N requests of the window")
+    add("--rate-scale", type=float, default=1.0,
+        help="divide inter-arrival gaps by this factor (>1 raises the rate)")
+    add("--num-gpu-blocks", type=int, default=None,
+        help=f"KV blocks incl. the null block (default {SAMPLE_NUM_GPU_BLOCKS} for the sample, "
+        f"{DEFAULT_NUM_GPU_BLOCKS} otherwise)")
+    add("--block-size", type=int, default=16)
+    add("--max-num-seqs", type=int, default=256)
+    add("--max-num-batched-tokens", type=int, default=8192)
+    add("--max-model-len", type=int, default=32768,
+        help="requests with prompt + output above this are removed (and counted)")
+    add("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="vLLM automatic prefix caching (default on)")
+    add("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    add("--seed", type=int, default=0, help="seed for fake token ids and seeded policies")
+    add("--policies", default=None,
+        help=f"comma-separated policy names, 'clairvoyant' for the reference arm "
+        f"(default {DEFAULT_POLICIES} unless another policy flag is given)")
+    add("--policy-class", action="append", default=[], metavar="MODULE:OBJECT",
+        help="add an arm for any vllm.preemption-policy.v1 implementation (repeatable)")
+    add("--preemption-policy", default=None, metavar="MODULE.OBJECT",
+        help="add an arm whose policy the host loads by dotted path, as vllm serve does")
+    add("--additional-config", default=None, metavar="JSON",
+        help="JSON object passed as VllmConfig.additional_config to every arm")
+    add("--step-model", default="llama-3.1-8b-h100",
+        help=f"preset ({', '.join(sorted(PRESETS))}) or a JSON/TOML file with name, a, b, c, d")
+    add("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
+    add("--no-plots", action="store_true", help="skip the PNG plots")
+    add("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _additional_config(raw: str | None) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        raise _UsageError("--additional-config must contain a JSON object") from None
+    if not isinstance(value, dict):
+        raise _UsageError("--additional-config must contain a JSON object")
+    return value
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    positive = {
+        "--block-size": args.block_size,
+        "--max-num-seqs": args.max_num_seqs,
+        "--max-num-batched-tokens": args.max_num_batched_tokens,
+        "--max-model-len": args.max_model_len,
+    }
+    for flag, value in positive.items():
+        if value < 1:
+            raise _UsageError(f"{flag} must be >= 1, got {value}")
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks < 2:
+        raise _UsageError(f"--num-gpu-blocks must be >= 2, got {args.num_gpu_blocks}")
+    if args.max_requests is not None and args.max_requests < 1:
+        raise _UsageError(f"--max-requests must be >= 1, got {args.max_requests}")
+    if not (args.rate_scale > 0 and math.isfinite(args.rate_scale)):
+        raise _UsageError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
+    if args.duration is not None and args.duration <= 0:
+        raise _UsageError(f"--duration must be > 0, got {args.duration}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fits(request: TraceRequest, usable_blocks: int, block_size: int) -> bool:
+    return -(-(request.input_length + request.output_length) // block_size) <= usable_blocks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (_UsageError, TraceError, StepTimeModelError, ArmError) as exc:
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        # Configuration errors raised while the host builds a policy (BidKVConfig and
+        # friends) are ValueErrors with one-line messages naming the setting.
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_numbers(args)
+    additional = _additional_config(args.additional_config)
+    step_model = load_step_model(args.step_model)
+    trace_path: Path = args.trace if args.trace is not None else SAMPLE_TRACE
+    is_sample = args.trace is None
+    default_blocks = SAMPLE_NUM_GPU_BLOCKS if is_sample else DEFAULT_NUM_GPU_BLOCKS
+    num_blocks = args.num_gpu_blocks or default_blocks
+    policies = args.policies
+    if policies is None and args.preemption_policy is None and not args.policy_class:
+        policies = DEFAULT_POLICIES
+    arms = parse_arms(
+        policies,
+        preemption_policy=args.preemption_policy,
+        policy_classes=args.policy_class,
+        seed=args.seed,
+    )
+    if not arms:
+        raise _UsageError("no policy arm: give --policies, --preemption-policy or --policy-class")
+
+    fmt = args.format
+    raw = load_trace(trace_path, fmt)
+    selection = select_requests(
+        raw,
+        start=args.start,
+        duration=args.duration,
+        max_requests=args.max_requests,
+        rate_scale=args.rate_scale,
+        max_model_len=args.max_model_len,
+    )
+    usable = num_blocks - 1
+    requests = tuple(r for r in selection.requests if _fits(r, usable, args.block_size))
+    too_big = len(selection.requests) - len(requests)
+    if not requests:
+        raise _UsageError(f"{trace_path}: no request left after the window and length filters")
+
+    # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
+    from bidkv_ext.replay.engine import ReplayError, ReplaySettings
+
+    settings = ReplaySettings(
+        num_gpu_blocks=num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        additional_config=additional,
+        seed=args.seed,
+    )
+    trace_info: dict[str, Any] = {
+        "name": trace_path.name,
+        "format": "mooncake" if raw[0].hash_ids is not None else "azure",
+        "sha256": _sha256(trace_path),
+        "rows": len(raw),
+        "start_s": args.start,
+        "duration_s": args.duration,
+        "max_requests": args.max_requests,
+        "rate_scale": args.rate_scale,
+        "rows_in_window": selection.rows_in_window,
+        "filtered_too_long": selection.filtered_too_long,
+        "filtered_kv_capacity": too_big,
+        "requests": len(requests),
+        "attribution": SAMPLE_ATTRIBUTION if is_sample else None,
+    }
+    try:
+        results, ttfts, speeds, walls = _replay_all(requests, arms, settings, step_model, args)
+    except ReplayError as exc:
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+    return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
+
+
+def _replay_all(
+    requests: tuple[TraceRequest, ...],
+    arms: tuple[Arm, ...],
+    settings: Any,
+    step_model: Any,
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, object]], list[tuple[str, list[float]]], dict[str, float],
+           dict[str, float]]:
+    from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+    from bidkv_ext.replay.engine import run_arm
+    from bidkv_ext.replay.metrics import arm_metrics
+
+    results: list[dict[str, object]] = []
+    ttfts: list[tuple[str, list[float]]] = []
+    speeds: dict[str, float] = {}
+    walls: dict[str, float] = {}
+    total = len(requests) * len(arms)
+    with tqdm(total=total, unit="req", file=sys.stderr, delay=2.0,
+              disable=args.no_progress, desc="replay") as bar:
+        for arm in arms:
+            bar.set_postfix_str(arm.label)
+            run = run_arm(requests, arm, settings, step_model, progress=bar)
+            metrics = arm_metrics(run)
+            results.append(metrics)
+            ttfts.append((arm.label, [o.first_token - o.arrival for o in run.outcomes
+                                      if not math.isnan(o.first_token)]))
+            makespan = float(metrics["makespan_s"])  # type: ignore[arg-type]
+            walls[arm.label] = run.wall_seconds
+            speeds[arm.label] = makespan / run.wall_seconds if run.wall_seconds > 0 else 0.0
+    return results, ttfts, speeds, walls
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    trace_info: dict[str, Any],
+    settings: Any,
+    step_model: Any,
+    results: list[dict[str, object]],
+    ttfts: list[tuple[str, list[float]]],
+    speeds: dict[str, float],
+    walls: dict[str, float],
+) -> int:
+    import vllm
+
+    from bidkv_ext.replay.report import (
+        format_table,
+        markdown_report,
+        write_atomic,
+        write_json,
+        write_plots,
+    )
+
+    document: dict[str, Any] = {
+        "schema": SCHEMA,
+        "seed": args.seed,
+        "trace": trace_info,
+        "settings": {
+            "num_gpu_blocks": settings.num_gpu_blocks,
+            "block_size": settings.block_size,
+            "max_num_seqs": settings.max_num_seqs,
+            "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "max_model_len": settings.max_model_len,
+            "enable_prefix_caching": settings.enable_prefix_caching,
+            "enable_chunked_prefill": settings.enable_chunked_prefill,
+            "scheduling_policy": settings.scheduling_policy,
+            "additional_config": dict(settings.additional_config),
+        },
+        "host": {"vllm_version": vllm.__version__,
+                 "scheduler": "bidkv_ext.hosts.vllm.PolicyScheduler"},
+        "step_model": step_model.as_dict(),
+        "arms": results,
+    }
+    out: Path = args.output_dir
+    write_json(out / "report.json", document)
+    write_json(out / "timing.json", {
+        "wall_seconds": walls,
+        "simulated_seconds_per_wall_second": speeds,
+    })
+    write_atomic(out / "report.md", markdown_report(document, speeds).encode())
+    if not args.no_plots:
+        write_plots(out, ttfts, results)
+    print(format_table(results, speeds))
+    print(f"outputs: {out}/ (report.json, timing.json, report.md"
+          f"{'' if args.no_plots else ', ttft_cdf.png, bars.png'})")
+    broken = [r["label"] for r in results if not _conserved(r)]
+    if broken:
+        print(f"bidkv-replay: error: conservation violated for {', '.join(map(str, broken))}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _conserved(metrics: dict[str, object]) -> bool:
+    c = metrics["conservation"]
+    assert isinstance(c, dict)
+    return bool(c["all_completed_once"] and c["exact_output_lengths"]
+                and c["free_blocks_end"] == c["usable_blocks"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The replay loop: a trace through the real vLLM 0.33.0 scheduler on a simulated clock.
+
+Per step: admit the requests that have arrived, call ``schedule()``, read what it decided
+(scheduled positions per request, preempted requests), charge the step-time model, emit
+one fake token per request that completes a position, and call ``update_from_output``.
+All accounting reads the scheduler's own decisions; nothing about scheduling is modelled.
+
+Recompute tax (evaluation.md section 1): each request keeps a high-water mark of computed
+positions. A step that schedules positions ``[start, end)`` for it, with ``end`` its
+``num_computed_tokens`` after ``schedule()``, re-executes ``min(end, mark) - start``
+positions when ``start < mark``. Prefix-cache hits move ``start`` forward without executing
+anything, so they are neither computed nor recomputed. The upper bound adds each victim's
+``num_computed_tokens`` at preemption time (ignores prefix hits).
+
+Simulated time: the scheduler module's ``time`` is swapped for the replay clock while a
+replay runs, so the host's ``now`` (``scheduled_timestamp``) and the requests' arrival times
+share one clock and policies that read them stay deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
+
+from bidkv_ext.replay.arms import Arm
+from bidkv_ext.replay.steptime import StepTimeModel
+from bidkv_ext.replay.tokens import PromptFactory
+from bidkv_ext.replay.trace import TraceRequest
+
+__all__ = [
+    "ArmRun",
+    "ReplayError",
+    "ReplaySettings",
+    "RequestOutcome",
+    "run_arm",
+]
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot make progress (for example a request larger than the KV pool)."""
+
+
+class Progress(Protocol):
+    def update(self, n: int = 1) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySettings:
+    """Scheduler settings shared by every arm of a replay."""
+
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32768
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    additional_config: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """What happened to one trace request (times in simulated seconds)."""
+
+    request_id: str
+    arrival: float
+    first_token: float
+    finish: float
+    output_tokens: int
+    expected_output: int
+    preemptions: int
+    completions: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArmRun:
+    """The raw result of replaying one arm."""
+
+    label: str
+    kind: str
+    outcomes: tuple[RequestOutcome, ...]
+    steps: int
+    computed_tokens: int
+    recomputed_tokens: int
+    recompute_upper_bound: int
+    preemption_events: int
+    pressure_steps: int
+    controller: dict[str, object]
+    free_blocks_end: int
+    usable_blocks: int
+    wall_seconds: float
+
+
+class _SimTime:
+    """Stands in for the ``time`` module inside vLLM's scheduler module."""
+
+    def __init__(self, real: ModuleType) -> None:
+        self._real = real
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@contextmanager
+def _simulated_clock(module: ModuleType) -> Iterator[_SimTime]:
+    # setattr/getattr: mypy does not know the module's own ``time`` import.
+    real: ModuleType = getattr(module, "time")  # noqa: B009
+    shim = _SimTime(real)
+    setattr(module, "time", shim)  # noqa: B010
+    try:
+        yield shim
+    finally:
+        setattr(module, "time", real)  # noqa: B010
+
+
+def _host() -> ModuleType:
+    from bidkv_ext.hosts.vllm import offline
+
+    return offline
+
+
+def run_arm(
+    requests: Sequence[TraceRequest],
+    arm: Arm,
+    settings: ReplaySettings,
+    step_model: StepTimeModel,
+    *,
+    progress: Progress | None = None,
+) -> ArmRun:
+    """Replay ``requests`` (sorted by arrival) with ``arm``'s policy; see the module doc."""
+    offline = _host()
+    from vllm.v1.core.sched import scheduler as sched_module
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    additional = dict(settings.additional_config)
+    if arm.bidkv_overrides is not None:
+        section = additional.get("bidkv")
+        merged = dict(section) if isinstance(section, Mapping) else {}
+        merged.update(arm.bidkv_overrides)
+        additional["bidkv"] = merged
+    vllm_config, kv_cache_config = offline.build_vllm_config(
+        num_gpu_blocks=settings.num_gpu_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        policy=settings.scheduling_policy,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        additional_config=additional,
+    )
+    ids = [str(r.index) for r in requests]
+    true_output = {rid: r.output_length for rid, r in zip(ids, requests, strict=True)}
+    scheduler = offline.build_scheduler(
+        vllm_config, kv_cache_config, preemption_policy=arm.factory(true_output), log_stats=False
+    )
+    prompts = PromptFactory(settings.seed)
+    with _simulated_clock(sched_module) as clock:
+        started = time.perf_counter()
+        state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock)
+        state.run(ModelRunnerOutput, progress)
+        wall = time.perf_counter() - started
+    usable = kv_cache_config.num_blocks - 1  # one block is vLLM's null block
+    return ArmRun(
+        label=arm.label,
+        kind=arm.kind,
+        outcomes=state.outcomes(),
+        steps=state.steps,
+        computed_tokens=state.computed,
+        recomputed_tokens=state.recomputed,
+        recompute_upper_bound=state.upper_bound,
+        preemption_events=state.preemptions,
+        pressure_steps=state.pressure_steps,
+        controller=dict(scheduler.controller.export_stats()),
+        free_blocks_end=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        usable_blocks=usable,
+        wall_seconds=wall,
+    )
+
+
+class _Loop:
+    """Mutable per-arm state; flat lists indexed by trace position keep the step loop lean."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        ids: list[str],
+        scheduler: Any,
+        offline: ModuleType,
+        prompts: PromptFactory,
+        step_model: StepTimeModel,
+        settings: ReplaySettings,
+        clock: _SimTime,
+    ) -> None:
+        n = len(requests)
+        self.requests = requests
+        self.ids = ids
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.scheduler = scheduler
+        self.offline = offline
+        self.prompts = prompts
+        self.model = step_model
+        self.settings = settings
+        self.clock = clock
+        self.mark = [0] * n
+        self.position = [0] * n
+        self.first = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.tokens = [0] * n
+        self.preempted = [0] * n
+        self.completions = [0] * n
+        self.fake_token = [prompts.fake_output_token(r) for r in requests]
+        self.steps = 0
+        self.computed = 0
+        self.recomputed = 0
+        self.upper_bound = 0
+        self.preemptions = 0
+        self.pressure_steps = 0
+
+    def _admit(self, i: int) -> None:
+        r = self.requests[i]
+        self.scheduler.add_request(
+            self.offline.make_request(
+                self.ids[i],
+                self.prompts.prompt(r),
+                r.output_length,
+                r.arrival,
+                block_size=self.settings.block_size,
+            )
+        )
+
+    def run(self, runner_output_cls: Any, progress: Progress | None) -> None:
+        requests = self.requests
+        n = len(requests)
+        scheduler = self.scheduler
+        sched_requests = scheduler.requests
+        index = self.index
+        mark, position, fake = self.mark, self.position, self.fake_token
+        first, finish, tokens = self.first, self.finish, self.tokens
+        step_seconds = self.model.step_seconds
+        now = requests[0].arrival if n else 0.0
+        arrived = done = idle_steps = 0
+        while done < n:
+            while arrived < n and requests[arrived].arrival <= now:
+                self._admit(arrived)
+                arrived += 1
+            if not scheduler.has_unfinished_requests():
+                now = requests[arrived].arrival
+                continue
+            self.clock.now = now
+            out = scheduler.schedule()
+            self.steps += 1
+            preempted = out.preempted_req_ids
+            if preempted:
+                self._record_preemptions(preempted)
+            scheduled = out.num_scheduled_tokens
+            if not scheduled:
+                scheduler.update_from_output(out, runner_output_cls(req_ids=[], req_id_to_index={}))
+                idle_steps += 1
+                if idle_steps >= 2:
+                    if arrived >= n:
+                        raise ReplayError(
+                            "the scheduler cannot make progress: a request needs more KV "
+                            "blocks than --num-gpu-blocks provides"
+                        )
+                    now = max(now, requests[arrived].arrival)
+                    idle_steps = 0
+                continue
+            idle_steps = 0
+            req_ids = list(scheduled)
+            sampled: list[list[int]] = []
+            prefill = decode = context = recomputed = 0
+            for rid in req_ids:
+                k = scheduled[rid]
+                request = sched_requests[rid]
+                end = request.num_computed_tokens
+                start = end - k
+                i = index[rid]
+                high = mark[i]
+                if start < high:
+                    recomputed += (end if end < high else high) - start
+                if end > high:
+                    mark[i] = end
+                position[i] = end
+                if end >= request.num_tokens:
+                    sampled.append([fake[i]])
+                    if k == 1 and request.num_output_tokens > 0:
+                        decode += 1
+                        context += end
+                    else:
+                        prefill += k
+                else:
+                    sampled.append([])
+                    prefill += k
+            self.recomputed += recomputed
+            self.computed += out.total_num_scheduled_tokens
+            now += step_seconds(prefill, decode, context)
+            self.clock.now = now
+            runner_output = runner_output_cls(
+                req_ids=req_ids,
+                req_id_to_index={rid: j for j, rid in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            )
+            for engine_outputs in scheduler.update_from_output(out, runner_output).values():
+                for output in engine_outputs.outputs:
+                    i = index[output.request_id]
+                    count = len(output.new_token_ids)
+                    if count:
+                        if tokens[i] == 0:
+                            first[i] = now
+                        tokens[i] += count
+                    if output.finish_reason is not None:
+                        finish[i] = now
+                        self.completions[i] += 1
+                        done += 1
+                        if progress is not None:
+                            progress.update(1)
+
+    def _record_preemptions(self, preempted: set[str]) -> None:
+        self.pressure_steps += 1
+        for rid in preempted:
+            i = self.index[rid]
+            self.preemptions += 1
+            self.preempted[i] += 1
+            self.upper_bound += self.position[i]
+            self.position[i] = 0
+
+    def outcomes(self) -> tuple[RequestOutcome, ...]:
+        return tuple(
+            RequestOutcome(
+                request_id=self.ids[i],
+                arrival=r.arrival,
+                first_token=self.first[i],
+                finish=self.finish[i],
+                output_tokens=self.tokens[i],
+                expected_output=r.output_length,
+                preemptions=self.preempted[i],
+                completions=self.completions[i],
+            )
+            for i, r in enumerate(self.requests)
+        )

@@ -1,0 +1,203 @@
+"""Replay outputs: terminal table, JSON (deterministic), Markdown report and PNG plots.
+
+``report.json`` holds no wall-clock value, so the same inputs and seed give a
+byte-identical file; replay speed (simulated seconds per wall second) goes to
+``timing.json``, the terminal and the Markdown report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "format_table",
+    "markdown_report",
+    "write_atomic",
+    "write_json",
+    "write_plots",
+]
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("policy", "{label}"),
+    ("done", "{completed}"),
+    ("tok/s", "{throughput_output_tok_s:.0f}"),
+    ("TTFT p50", "{ttft_p50}"),
+    ("TTFT p95", "{ttft_p95}"),
+    ("TTFT p99", "{ttft_p99}"),
+    ("TPOT p99", "{tpot_p99}"),
+    ("E2E p99", "{e2e_p99}"),
+    ("tax", "{recompute_tax:.2%}"),
+    ("tax UB", "{recompute_tax_upper_bound:.2%}"),
+    ("pre/1k", "{preemptions_per_1k:.1f}"),
+    ("max pre", "{max_preemptions_one_request}"),
+    ("goodput", "{goodput_req_s:.2f}"),
+    ("calls/sel/abst", "{counters}"),
+    ("sim s/wall s", "{speed}"),
+)
+
+
+def _seconds(value: object) -> str:
+    if not isinstance(value, float) or math.isnan(value):
+        return "-"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _row(arm: Mapping[str, Any], speed: float | None) -> list[str]:
+    ttft, tpot, e2e = arm["ttft_s"], arm["tpot_s"], arm["e2e_s"]
+    ctrl = arm["controller"]
+    label = arm["label"]
+    fields = dict(arm)
+    fields.update(
+        label=label,
+        ttft_p50=_seconds(ttft["p50"]),
+        ttft_p95=_seconds(ttft["p95"]),
+        ttft_p99=_seconds(ttft["p99"]),
+        tpot_p99=_seconds(tpot["p99"]),
+        e2e_p99=_seconds(e2e["p99"]),
+        counters=f"{ctrl.get('calls', 0)}/{ctrl.get('selections', 0)}/{ctrl.get('abstentions', 0)}",
+        speed="-" if speed is None else f"{speed:.1f}",
+    )
+    return [template.format(**fields) for _, template in _COLUMNS]
+
+
+def _rows(arms: Sequence[Mapping[str, Any]], speeds: Mapping[str, float]) -> list[list[str]]:
+    return [_row(arm, speeds.get(str(arm["label"]))) for arm in arms]
+
+
+def format_table(arms: Sequence[Mapping[str, Any]], speeds: Mapping[str, float]) -> str:
+    """A fixed-width table for the terminal."""
+    header = [name for name, _ in _COLUMNS]
+    rows = _rows(arms, speeds)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(arms: Sequence[Mapping[str, Any]], speeds: Mapping[str, float]) -> str:
+    header = [name for name, _ in _COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(arms, speeds)]
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN; a missing latency is null.
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, document: Mapping[str, Any]) -> None:
+    text = json.dumps(_clean(document), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    write_atomic(path, text.encode())
+
+
+def markdown_report(document: Mapping[str, Any], speeds: Mapping[str, float]) -> str:
+    trace, settings, model = document["trace"], document["settings"], document["step_model"]
+    arms = document["arms"]
+    lines = [
+        "# bidkv-replay report",
+        "",
+        f"Trace `{trace['name']}` ({trace['format']}, sha256 `{trace['sha256'][:16]}…`): "
+        f"{trace['requests']} requests replayed (window start {trace['start_s']} s, duration "
+        f"{trace['duration_s']}, max requests {trace['max_requests']}, rate scale "
+        f"{trace['rate_scale']}; {trace['filtered_too_long']} longer than max_model_len "
+        f"{settings['max_model_len']} removed, {trace['filtered_kv_capacity']} larger than the "
+        "KV pool removed).",
+        "",
+        f"Scheduler: real vLLM {document['host']['vllm_version']} "
+        f"`{document['host']['scheduler']}`, "
+        f"{settings['num_gpu_blocks']} KV blocks of {settings['block_size']} tokens, "
+        f"max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens "
+        f"{settings['max_num_batched_tokens']}, prefix caching "
+        f"{'on' if settings['enable_prefix_caching'] else 'off'}, seed {document['seed']}.",
+        "",
+        f"Step-time model `{model['name']}`: t = {model['a']} + {model['b']}·prefill_tokens + "
+        f"{model['c']}·decode_reqs + {model['d']}·Σdecode_context (s). Simulated latencies are "
+        "not hardware predictions; compare arms with each other.",
+        "",
+        markdown_table(arms, speeds),
+        "",
+        "Columns: tax = recomputed ÷ computed tokens (exact, prefix hits excluded); tax UB = "
+        "upper bound from Σ num_computed_tokens at preemption; goodput = requests/s meeting "
+        "TTFT ≤ 2 s and TPOT ≤ 100 ms; calls/sel/abst = controller counters. Arms marked "
+        "(reference) know the true output lengths: a reference line, not a bound.",
+        "",
+        "![TTFT CDF](ttft_cdf.png)",
+        "",
+        "![Recompute tax and P95 TTFT](bars.png)",
+        "",
+    ]
+    attribution = document["trace"].get("attribution")
+    if attribution:
+        lines += ["## Trace attribution", "", str(attribution), ""]
+    return "\n".join(lines)
+
+
+def write_plots(out_dir: Path, runs: Sequence[tuple[str, list[float]]],
+                arms: Sequence[Mapping[str, Any]]) -> None:
+    """``ttft_cdf.png`` (TTFT CDF per arm) and ``bars.png`` (recompute tax, P95 TTFT)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ttft in runs:
+        if not ttft:
+            continue
+        xs = np.sort(np.asarray(ttft))
+        ys = np.arange(1, len(xs) + 1) / len(xs)
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (simulated s, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per policy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_cdf.png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+    labels = [str(a["label"]) for a in arms]
+    tax = [100.0 * float(a["recompute_tax"]) for a in arms]
+    p95 = [a["ttft_s"]["p95"] or 0.0 for a in arms]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5))
+    left.bar(labels, tax, color="tab:red")
+    left.set_ylabel("recompute tax (%)")
+    left.set_title("Recompute tax")
+    right.bar(labels, p95, color="tab:blue")
+    right.set_ylabel("P95 TTFT (simulated s)")
+    right.set_title("P95 TTFT")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=30, labelsize=8)
+        axis.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bars.png", dpi=110, metadata={"Software": None})
+    plt.close(fig)

@@ -1,0 +1,128 @@
+"""The step-time model: what one scheduler step costs on the GPU the replay stands in for.
+
+Formula (evaluation.md section 1), one value per scheduler step::
+
+    t_step = a + b * prefill_tokens + c * decode_requests + d * decode_context_tokens
+
+``prefill_tokens``
+    Token positions scheduled this step for requests that are not in single-token decode
+    (new prompts, prompt chunks, and recompute after preemption).
+``decode_requests``
+    Requests scheduled for exactly one position after having produced output.
+``decode_context_tokens``
+    Sum over those decode requests of their context length (positions attended to).
+
+Absolute simulated latencies are not predictions of real hardware; every policy arm of a
+replay uses the same model, so relative comparisons are the deliverable.
+
+Preset ``llama-3.1-8b-h100`` (the default), Llama-3.1-8B-Instruct in BF16/FP16 on one
+NVIDIA H100-80GB (SXM, HBM3), vLLM:
+
+* ``a = 6.5 ms``: per-step fixed cost. Measured single-request decode TPOT p50 = 6.48 ms
+  for Llama-3.1-8B-Instruct, fp16, vLLM 0.21.0, one H100-80GB-HBM3 (InferenceBench
+  "concurrency sweep" recipe, validation run 2026-05-16,
+  https://yobitelcomm.github.io/bench/recipes/concurrency-sweep/). A one-request decode
+  step is dominated by reading the 16 GB of weights once, which every step pays.
+* ``c = 0.28 ms`` per decode request: the same run measured TPOT p50 = 10.94 ms at
+  concurrency 16, i.e. (10.94 - 6.48) / 15 = 0.30 ms per extra running request; we keep
+  0.28 ms for the per-request part and assign the rest to ``d`` below.
+* ``d = 39 ns`` per context token: reading the KV cache. Llama-3.1-8B has 32 layers, 8 KV
+  heads of dimension 128, so one token's K and V in 16-bit take 32*8*128*2*2 = 128 KiB;
+  at the H100 SXM's 3.35 TB/s datasheet bandwidth that is 39 ns per token.
+* ``b = 32.5 us`` per prefill token: 2 * 8.03e9 FLOP per token at 50 % of the H100 SXM's
+  989 TFLOP/s dense BF16 datasheet peak. The 50 % utilisation is our assumption, not a
+  measurement; it gives about 31k prefill tokens/s, i.e. 0.27 s for an 8,192-token chunk.
+
+Other presets or measured fits go in a JSON or TOML file with the keys ``name``, ``a``,
+``b``, ``c``, ``d`` (seconds) and an optional ``source`` string (``--step-model FILE``).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["PRESETS", "StepTimeModel", "StepTimeModelError", "load_step_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    """Linear step-time model; all coefficients in seconds (per unit)."""
+
+    name: str
+    a: float
+    b: float
+    c: float
+    d: float
+    source: str = ""
+
+    def step_seconds(self, prefill_tokens: int, decode_requests: int, decode_context: int) -> float:
+        return self.a + self.b * prefill_tokens + self.c * decode_requests + self.d * decode_context
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "a": self.a, "b": self.b, "c": self.c, "d": self.d,
+                "source": self.source}
+
+
+PRESETS: dict[str, StepTimeModel] = {
+    "llama-3.1-8b-h100": StepTimeModel(
+        name="llama-3.1-8b-h100",
+        a=6.5e-3,
+        b=32.5e-6,
+        c=0.28e-3,
+        d=39e-9,
+        source=(
+            "a,c: InferenceBench concurrency sweep, Llama-3.1-8B-Instruct fp16, vLLM 0.21.0, "
+            "1x H100-80GB-HBM3 (TPOT p50 6.48 ms @1, 10.94 ms @16); d: 128 KiB KV/token at "
+            "3.35 TB/s; b: 16.06 GFLOP/token at 50% of 989 TFLOP/s (assumed MFU)"
+        ),
+    ),
+}
+
+
+class StepTimeModelError(ValueError):
+    """A step-time model file that cannot be used."""
+
+
+class _ModelFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    a: float = Field(ge=0)
+    b: float = Field(ge=0)
+    c: float = Field(ge=0)
+    d: float = Field(ge=0)
+    source: str = ""
+
+
+def load_step_model(spec: str) -> StepTimeModel:
+    """A preset name, or a path to a ``.json``/``.toml`` file with name, a, b, c, d."""
+    preset = PRESETS.get(spec)
+    if preset is not None:
+        return preset
+    path = Path(spec)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        names = ", ".join(sorted(PRESETS))
+        raise StepTimeModelError(
+            f"step model {spec!r}: not a preset ({names}) and not a readable file "
+            f"({exc.strerror or exc})"
+        ) from None
+    try:
+        data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StepTimeModelError(f"{path}: not valid JSON/TOML ({exc})") from None
+    try:
+        parsed = _ModelFile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise StepTimeModelError(
+            f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d >= 0, source)"
+        ) from None
+    return StepTimeModel(parsed.name, parsed.a, parsed.b, parsed.c, parsed.d, parsed.source)

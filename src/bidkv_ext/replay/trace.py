@@ -1,0 +1,247 @@
+"""Trace loading: Azure LLM inference 2023 CSV and Mooncake FAST'25 JSONL.
+
+Both formats become a tuple of :class:`TraceRequest` with arrival times in seconds from the
+first row. Any malformed row stops loading with a :class:`TraceError` whose message names
+the file and the 1-based line, so the CLI can print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "MOONCAKE_HASH_BLOCK_TOKENS",
+    "TraceError",
+    "TraceFormat",
+    "TraceRequest",
+    "TraceSelection",
+    "detect_format",
+    "load_trace",
+    "select_requests",
+]
+
+TraceFormat = Literal["auto", "azure", "mooncake"]
+
+# One Mooncake hash id stands for one 512-token prompt block (traces/README.md).
+MOONCAKE_HASH_BLOCK_TOKENS = 512
+
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_AZURE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+
+
+class TraceError(ValueError):
+    """A trace file or row that cannot be used; the message names file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace. ``arrival`` is seconds after the trace's first row."""
+
+    index: int
+    arrival: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSelection:
+    """The requests a replay runs, plus what was cut and why (recorded in every report)."""
+
+    requests: tuple[TraceRequest, ...]
+    rows_in_window: int
+    filtered_too_long: int
+
+
+def detect_format(path: Path) -> Literal["azure", "mooncake"]:
+    """``.jsonl``/``.json`` -> mooncake, ``.csv`` -> azure; otherwise sniff the first byte."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return "mooncake"
+    if suffix == ".csv":
+        return "azure"
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(1)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
+    return "mooncake" if head == b"{" else "azure"
+
+
+def load_trace(path: Path, fmt: TraceFormat = "auto") -> tuple[TraceRequest, ...]:
+    """Read a whole trace file; raises :class:`TraceError` on the first bad row."""
+    kind = detect_format(path) if fmt == "auto" else fmt
+    try:
+        with path.open(encoding="utf-8", newline="") as handle:
+            rows = _load_azure(path, handle) if kind == "azure" else _load_mooncake(path, handle)
+            requests = tuple(rows)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: trace is not UTF-8 text") from None
+    if not requests:
+        raise TraceError(f"{path}: trace has no requests")
+    return requests
+
+
+def _positive_int(path: Path, line: int, name: str, raw: object, minimum: int) -> int:
+    if isinstance(raw, bool):
+        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {raw!r}")
+    if isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        value = int(raw)
+    else:
+        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {raw!r}")
+    if value < minimum:
+        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def _parse_azure_time(path: Path, line: int, raw: str) -> datetime:
+    # The trace has 7 fractional digits; %f takes at most 6.
+    text = raw.strip()
+    head, dot, frac = text.partition(".")
+    text = f"{head}.{frac[:6]}" if dot else f"{head}.0"
+    try:
+        return datetime.strptime(text, _AZURE_TIME_FORMAT)
+    except ValueError:
+        raise TraceError(
+            f"{path}:{line}: TIMESTAMP must look like 2023-11-16 18:15:46.6805900, got {raw!r}"
+        ) from None
+
+
+def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
+    reader = csv.reader(handle)
+    header = next(reader, None)
+    if header is None:
+        raise TraceError(f"{path}:1: empty file, expected an Azure CSV header")
+    names = [cell.strip() for cell in header]
+    missing = [c for c in _AZURE_COLUMNS if c not in names]
+    if missing:
+        raise TraceError(
+            f"{path}:1: Azure CSV header must contain {', '.join(_AZURE_COLUMNS)}; missing "
+            f"{', '.join(missing)}"
+        )
+    t_col, in_col, out_col = (names.index(c) for c in _AZURE_COLUMNS)
+    first: datetime | None = None
+    previous = -math.inf
+    for index, row in enumerate(reader):
+        line = reader.line_num
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != len(names):
+            raise TraceError(f"{path}:{line}: expected {len(names)} columns, got {len(row)}")
+        stamp = _parse_azure_time(path, line, row[t_col])
+        if first is None:
+            first = stamp
+        arrival = (stamp - first).total_seconds()
+        if arrival < previous:
+            raise TraceError(f"{path}:{line}: TIMESTAMP goes backwards (rows must be sorted)")
+        previous = arrival
+        yield TraceRequest(
+            index=index,
+            arrival=arrival,
+            input_length=_positive_int(path, line, "ContextTokens", row[in_col], 1),
+            output_length=_positive_int(path, line, "GeneratedTokens", row[out_col], 1),
+        )
+
+
+def _load_mooncake(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
+    previous = -math.inf
+    first: float | None = None
+    index = 0
+    for line, text in enumerate(handle, start=1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise TraceError(f"{path}:{line}: expected a JSON object per line")
+        missing = [k for k in ("timestamp", "input_length", "output_length") if k not in row]
+        if missing:
+            raise TraceError(f"{path}:{line}: missing field(s) {', '.join(missing)}")
+        stamp = row["timestamp"]
+        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or stamp < 0:
+            raise TraceError(f"{path}:{line}: timestamp must be milliseconds >= 0, got {stamp!r}")
+        if stamp < previous:
+            raise TraceError(f"{path}:{line}: timestamp goes backwards (rows must be sorted)")
+        previous = float(stamp)
+        if first is None:
+            first = float(stamp)
+        input_length = _positive_int(path, line, "input_length", row["input_length"], 1)
+        yield TraceRequest(
+            index=index,
+            arrival=(float(stamp) - first) / 1000.0,
+            input_length=input_length,
+            output_length=_positive_int(path, line, "output_length", row["output_length"], 1),
+            hash_ids=_hash_ids(path, line, row.get("hash_ids"), input_length),
+        )
+        index += 1
+
+
+def _hash_ids(path: Path, line: int, raw: object, input_length: int) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in raw
+    ):
+        raise TraceError(f"{path}:{line}: hash_ids must be a list of integers >= 0")
+    expected = -(-input_length // MOONCAKE_HASH_BLOCK_TOKENS)
+    if len(raw) != expected:
+        raise TraceError(
+            f"{path}:{line}: hash_ids has {len(raw)} ids, expected ceil(input_length/512) = "
+            f"{expected}"
+        )
+    return tuple(raw)
+
+
+def select_requests(
+    requests: Sequence[TraceRequest],
+    *,
+    start: float = 0.0,
+    duration: float | None = None,
+    max_requests: int | None = None,
+    rate_scale: float = 1.0,
+    max_model_len: int | None = None,
+) -> TraceSelection:
+    """Cut a time window, keep the first ``max_requests``, compress time, drop long requests.
+
+    The window is taken on the trace's own clock; arrivals are then rebased to the window
+    start and divided by ``rate_scale`` (s > 1 compresses gaps, raising the rate by s).
+    Requests whose prompt plus output exceed ``max_model_len`` are removed and counted.
+    """
+    if rate_scale <= 0:
+        raise ValueError("rate scale must be > 0")
+    end = math.inf if duration is None else start + duration
+    window = [r for r in requests if start <= r.arrival < end]
+    rows_in_window = len(window)
+    if max_requests is not None:
+        window = window[:max_requests]
+    kept: list[TraceRequest] = []
+    too_long = 0
+    for r in window:
+        if max_model_len is not None and r.input_length + r.output_length > max_model_len:
+            too_long += 1
+            continue
+        kept.append(r)
+    rebased = tuple(
+        TraceRequest(
+            index=r.index,
+            arrival=(r.arrival - start) / rate_scale,
+            input_length=r.input_length,
+            output_length=r.output_length,
+            hash_ids=r.hash_ids,
+        )
+        for r in kept
+    )
+    return TraceSelection(
+        requests=rebased, rows_in_window=rows_in_window, filtered_too_long=too_long
+    )

@@ -1,0 +1,103 @@
+"""Shared fixtures for the real-scheduler tier (stock vLLM 0.33.0 driven on CPU).
+
+The tier *skips* only when vLLM is not installed. When vLLM is installed, importing the
+adapter must succeed: an unsupported version or an unmatched ``Scheduler.schedule`` shape
+makes these fixtures (and the tests using them) fail, never skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+# vLLM reads these at import/config time; nothing may be fetched from the network.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="session")
+def vllm_offline() -> ModuleType:
+    """The :mod:`bidkv_ext.hosts.vllm.offline` kit, with the adapter already imported."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (real-scheduler tier)")
+    from bidkv_ext.hosts.vllm import offline, scheduler  # noqa: F401  # rewrite must apply
+
+    return offline
+
+
+@pytest.fixture
+def make_scheduler(vllm_offline: ModuleType) -> Callable[..., Any]:
+    """Factory: ``make_scheduler(num_gpu_blocks=..., scheduler_cls=None, preemption_policy=None,
+    **config_kwargs)`` -> a real scheduler (our ``PolicyScheduler`` unless told otherwise)."""
+
+    def factory(
+        *,
+        num_gpu_blocks: int,
+        scheduler_cls: type | None = None,
+        preemption_policy: object = None,
+        **config_kwargs: Any,
+    ) -> Any:
+        vllm_config, kv_cache_config = vllm_offline.build_vllm_config(
+            num_gpu_blocks=num_gpu_blocks, **config_kwargs
+        )
+        return vllm_offline.build_scheduler(
+            vllm_config,
+            kv_cache_config,
+            scheduler_cls=scheduler_cls,
+            preemption_policy=preemption_policy,
+        )
+
+    return factory
+
+
+def seeded_workload(seed: int, num_requests: int) -> list[tuple[str, list[int], int, float, int]]:
+    """(id, prompt, max_tokens, arrival_time, priority) tuples; 40 % share one of four
+    48-token prefixes, so prefix caching finds shared blocks."""
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 30000) for _ in range(48)] for _ in range(4)]
+    items = []
+    for i in range(num_requests):
+        tail = [rng.randrange(10, 30000) for _ in range(rng.randrange(8, 140))]
+        prompt = (rng.choice(prefixes) + tail) if rng.random() < 0.4 else tail
+        items.append((f"r{i}", prompt, rng.randrange(4, 80), 1000.0 + i, rng.randrange(4)))
+    return items
+
+
+def drive_workload(
+    offline: ModuleType,
+    scheduler: Any,
+    workload: list[tuple[str, list[int], int, float, int]],
+    *,
+    arrivals_per_step: int = 2,
+    max_steps: int = 20_000,
+) -> tuple[list[object], int]:
+    """Add ``arrivals_per_step`` requests before each step and run to completion.
+
+    Returns one ``(schedule_digest, free_blocks)`` entry per step and the total number of
+    preemptions, so two runs can be compared step by step.
+    """
+    pending = list(workload)
+    requests = []
+    digests: list[object] = []
+    while pending or scheduler.has_unfinished_requests():
+        for _ in range(min(arrivals_per_step, len(pending))):
+            rid, prompt, max_tokens, arrival, priority = pending.pop(0)
+            request = offline.make_request(rid, prompt, max_tokens, arrival, priority)
+            requests.append(request)
+            scheduler.add_request(request)
+        out = scheduler.schedule()
+        digests.append((offline.schedule_digest(out), offline.free_blocks(scheduler)))
+        scheduler.update_from_output(out, offline.runner_output_for(out, scheduler))
+        if len(digests) >= max_steps:
+            raise AssertionError(f"workload did not finish within {max_steps} steps")
+    return digests, sum(r.num_preemptions for r in requests)
