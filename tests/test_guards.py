@@ -77,16 +77,27 @@ def test_priority_policy_only_considers_the_least_urgent_class() -> None:
     assert chosen in {"lazy1", "lazy2"}
 
 
-def test_cascade_guard_prefers_the_requester_when_nearly_as_good() -> None:
-    # Decoding requester (needs one block): anyone freeing a block is equally useful, so U
-    # follows disruption; the requester is a close second to "small".
+def test_cascade_guard_takes_the_requester_only_when_a_cascade_would_follow() -> None:
+    # Prefilling requester: 2,000 tokens still to place -> it needs 125 blocks. The best
+    # other victim frees 113 (not enough), so the host would preempt again: with a ratio
+    # wide enough the guard takes the requester, which ends the loop.
+    cands = [cand("mid", computed=1800, output=5, prompt=1795),
+             cand("req", computed=4000, output=0, prompt=6000)]
+    def pick(ratio: float) -> str | None:
+        config = BidKVConfig(enabled=True, prefix_caching=False, cascade_gain_ratio=ratio)
+        return BidkvPreemptionPolicy(config).select_victim(ctx(cands, requester="req"))
+    assert pick(1.0) == "mid"
+    assert pick(1.25) == "mid"  # the requester's U is not within 1.25x of the best
+    assert pick(2.5) == "req"
+
+
+def test_cascade_guard_stays_out_when_one_victim_suffices() -> None:
+    # Decoding requester needs one block: any victim with a block ends the loop.
     cands = [cand("small", computed=100, output=50, prompt=51),
              cand("req", computed=110, output=50, prompt=61),
              cand("huge", computed=9000, output=50, prompt=8951)]
-    with_guard = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.25))
-    without = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
-    assert without.select_victim(ctx(cands, requester="req")) == "small"
-    assert with_guard.select_victim(ctx(cands, requester="req")) == "req"
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=4.0))
+    assert policy.select_victim(ctx(cands, requester="req")) == "small"
 
 
 def test_host_facts_change_the_estimate_of_freed_blocks() -> None:

@@ -73,3 +73,18 @@ def test_custom_strategy_registration() -> None:
     registry = default_registry()
     registry.register(Oldest())
     assert registry.get("oldest").choose(tuple(CANDS), ctx(CANDS), None).request_id == "old"
+
+
+def test_cost_aware_and_sglang_peers() -> None:
+    cands = [
+        cand("a", computed=1600, prompt=1500, output=100, max_tokens=200),  # half done
+        cand("b", computed=1600, prompt=1590, output=10, max_tokens=2000),  # barely started
+        cand("c", computed=160, prompt=320, output=0, max_tokens=100),  # mid-prefill
+    ]
+    # cost-aware: blocks per current token x (1 - progress): b has the most to give.
+    assert BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="cost-aware")).select_victim(
+        ctx(cands)) == "b"
+    # sglang: fewest output tokens, ties to the longest prompt.
+    tied = [cand("x", output=3, prompt=100), cand("y", output=3, prompt=900), cand("z", output=9)]
+    assert BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="sglang")).select_victim(
+        ctx(tied)) == "y"

@@ -44,7 +44,7 @@ class BidKVConfig(BaseModel):
     kill_switch: bool = False
     strategy: str = "bidkv"
     seed: int = 0
-    liveness_preemptions: NonNegInt = 2
+    liveness_preemptions: NonNegInt = 4
     cascade_gain_ratio: Annotated[float, Field(ge=1.0)] = 1.25
     epsilon: Annotated[float, Field(gt=0.0)] = 1e-3
     default_max_tokens: Annotated[int, Field(gt=0)] = 1024
@@ -53,7 +53,8 @@ class BidKVConfig(BaseModel):
     recompute_weight: NonNegFloat = 1.0
     completion_weight: NonNegFloat = 1.0
     completion_horizon: Annotated[float, Field(gt=0.0)] = 32.0
-    preempt_weight: NonNegFloat = 1.0
+    # None: chosen by the engine's prefix caching (see UtilityParams.from_config).
+    preempt_weight: NonNegFloat | None = None
     first_token_weight: NonNegFloat = 0.0
     cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
     use_host_facts: bool = True

@@ -22,6 +22,10 @@ untouched. The fields are:
     hits when the request is re-admitted.
 ``total_blocks``
     All blocks the candidate holds (shared and exclusive).
+``pages_released`` (optional, elastic KV only)
+    Physical KV pages that preempting the candidate would return to the device: pages
+    whose every block is either free or held by this candidate alone. Hosts without
+    elastic KV (kvcached) leave it ``None``.
 ``needed_blocks`` (context level, :attr:`PreemptionContextFacts.needed_blocks`)
     How many blocks the requester still lacks for this step (the shortfall).
 """
@@ -101,6 +105,7 @@ class CandidateFacts:
     exclusive_blocks: int
     cached_blocks: int
     total_blocks: int
+    pages_released: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

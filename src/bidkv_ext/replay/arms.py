@@ -19,6 +19,12 @@ Arm kinds
     ``vllm serve`` would.
 ``class``
     ``--policy-class module:Object``: any contract implementation, loaded by the same rules.
+``peer``
+    ``bidkv-0.2.1``: the published reference BidKV's decision rule, re-implemented here
+    from its documented behaviour (reference-lessons.md sections 1 and 4; no code of it
+    is used): U = computed / (1 + 0.5 c + 0.3 P + 1e-6), ties to the earliest arrival,
+    with its liveness (2) and cascade (1.25) guards abstaining. For the installed package
+    itself use ``--policy-class bidkv.adapters.vllm_hust.selector:BidkvPreemptionPolicy``.
 ``reference``
     The clairvoyant shortest-remaining oracle (O1 of evaluation.md section 3). It reads the
     trace's true output lengths, which no online policy has. It is a reference line, not a
@@ -32,21 +38,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from bidkv_ext.contract import PreemptionContext
+from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 
 __all__ = [
     "CLAIRVOYANT",
     "Arm",
     "ArmError",
     "ClairvoyantShortestRemaining",
+    "ReferenceBidkv021",
     "named_arm",
     "parse_arms",
 ]
 
 CLAIRVOYANT = "clairvoyant"
 """Name of the reference arm in ``--policies``."""
+REFERENCE_BIDKV = "bidkv-0.2.1"
+"""Name of the reference BidKV rule's arm in ``--policies``."""
 
-ArmKind = Literal["named", "host", "class", "reference"]
+ArmKind = Literal["named", "host", "class", "peer", "reference"]
 PolicyFactory = Callable[[Mapping[str, int]], object]
 """Builds the arm's policy spec; receives the true output length per request id."""
 
@@ -94,6 +103,42 @@ class ClairvoyantShortestRemaining:
         return best_id
 
 
+class ReferenceBidkv021:
+    """The reference BidKV 0.2.1 victim rule (see the module docstring), for comparison."""
+
+    __slots__ = ("_offsets",)
+
+    LIVENESS = 2
+    CASCADE = 1.25
+
+    def __init__(self) -> None:
+        self._offsets: dict[str, int] = {}
+
+    @staticmethod
+    def _utility(c: PreemptionCandidate) -> float:
+        cap = c.max_tokens if c.max_tokens > 0 else 1024
+        progress = min(max(c.num_output_tokens / cap, 0.0), 1.0)
+        delta = 1.0 + 0.5 * progress + 0.3 * max(c.num_preemptions, 0)
+        return max(c.num_computed_tokens, 0) / max(delta + 1e-6, 1e-6)
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        utility = self._utility
+        top = min(context.candidates, key=lambda c: (-utility(c), c.arrival_time, c.request_id))
+        relative = top.num_preemptions - self._offsets.get(top.request_id, 0)
+        if relative >= self.LIVENESS:
+            self._offsets[top.request_id] = top.num_preemptions
+            return None
+        for c in context.candidates:
+            if c.request_id == context.requesting_request_id:
+                if c is not top and (
+                    max(c.num_computed_tokens, 0) * self.CASCADE
+                    >= max(top.num_computed_tokens, 0)
+                ):
+                    return None
+                break
+        return top.request_id
+
+
 def _strategy_names() -> frozenset[str]:
     from bidkv_ext.strategies import STRATEGY_NAMES
 
@@ -108,9 +153,11 @@ def named_arm(name: str, seed: int) -> Arm:
             "reference",
             lambda lengths: ClairvoyantShortestRemaining(lengths),
         )
+    if name == REFERENCE_BIDKV:
+        return Arm(REFERENCE_BIDKV, "peer", lambda _lengths: ReferenceBidkv021())
     known = _strategy_names()
     if name not in known:
-        accepted = ", ".join(sorted(known | {CLAIRVOYANT}))
+        accepted = ", ".join(sorted(known | {CLAIRVOYANT, REFERENCE_BIDKV}))
         raise ArmError(f"--policies: unknown policy {name!r}; accepted: {accepted}")
 
     def factory(_lengths: Mapping[str, int]) -> object:
@@ -118,7 +165,12 @@ def named_arm(name: str, seed: int) -> Arm:
 
         return BidkvPreemptionPolicy
 
-    overrides = {"enabled": True, "kill_switch": False, "strategy": name, "seed": seed}
+    overrides: dict[str, object] = {
+        "enabled": True, "kill_switch": False, "strategy": name, "seed": seed,
+    }
+    if name != "bidkv":
+        # Peers are the plain rules of evaluation.md: none of our guards.
+        overrides["liveness_preemptions"] = 0
     return Arm(name, "named", factory, overrides)
 
 

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int, default=8192)
     add("--max-model-len", type=int, default=32768,
         help="requests with prompt + output above this are removed (and counted)")
+    add("--max-tokens", choices=("model-len", "exact"), default="model-len",
+        help="each request's max_tokens: vLLM's default cap (max_model_len - prompt; the "
+        "request ends by EOS at its trace length) or the exact trace length, which "
+        "leaks the true output length to policies (default model-len)")
     add("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="vLLM automatic prefix caching (default on)")
     add("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -195,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
+        max_tokens=args.max_tokens,
         scheduling_policy=args.scheduling_policy,
         additional_config=additional,
         seed=args.seed,
@@ -286,6 +291,7 @@ def _write_outputs(
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "max_model_len": settings.max_model_len,
             "enable_prefix_caching": settings.enable_prefix_caching,
+            "max_tokens": settings.max_tokens,
             "enable_chunked_prefill": settings.enable_chunked_prefill,
             "scheduling_policy": settings.scheduling_policy,
             "additional_config": dict(settings.additional_config),

@@ -63,6 +63,10 @@ class ReplaySettings:
     scheduling_policy: str = "fcfs"
     additional_config: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # "model-len": max_tokens is vLLM's default cap (max_model_len - prompt) and the request
+    # ends by sampling EOS at its trace length, so no policy can read the true output
+    # length from max_tokens. "exact": max_tokens = trace length (clairvoyant max_tokens).
+    max_tokens: str = "model-len"
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,13 +237,16 @@ class _Loop:
 
     def _admit(self, i: int) -> None:
         r = self.requests[i]
+        exact = self.settings.max_tokens == "exact"
+        cap = r.output_length if exact else self.settings.max_model_len - r.input_length
         self.scheduler.add_request(
             self.offline.make_request(
                 self.ids[i],
                 self.prompts.prompt(r),
-                r.output_length,
+                cap,
                 r.arrival,
                 block_size=self.settings.block_size,
+                ignore_eos=exact,
             )
         )
 
@@ -250,6 +257,10 @@ class _Loop:
         sched_requests = scheduler.requests
         index = self.index
         mark, position, fake = self.mark, self.position, self.fake_token
+        # With a max_tokens cap the last token of a request is EOS, sampled at its length.
+        eos_id: int = self.offline.EOS_TOKEN_ID
+        stop_by_eos = self.settings.max_tokens != "exact"
+        lengths = [r.output_length for r in requests]
         first, finish, tokens = self.first, self.finish, self.tokens
         step_seconds = self.model.step_seconds
         now = requests[0].arrival if n else 0.0
@@ -297,7 +308,8 @@ class _Loop:
                     mark[i] = end
                 position[i] = end
                 if end >= request.num_tokens:
-                    sampled.append([fake[i]])
+                    last = stop_by_eos and request.num_output_tokens + 1 >= lengths[i]
+                    sampled.append([eos_id if last else fake[i]])
                     if k == 1 and request.num_output_tokens > 0:
                         decode += 1
                         context += end

@@ -5,11 +5,13 @@ from __future__ import annotations
 from bidkv_ext.strategies.base import StrategyRegistry, VictimStrategy
 from bidkv_ext.strategies.simple import (
     Abstain,
+    CostAware,
     LargestFirst,
     LeastComputedFirst,
     Lifo,
     PriorityRule,
     SeededRandom,
+    SglangRetract,
     ShortestRemaining,
 )
 from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
@@ -31,6 +33,8 @@ _PRIMARY = (
     "least-computed-first",
     "random",
     "shortest-remaining",
+    "cost-aware",
+    "sglang",
     "bidkv",
 )
 STRATEGY_NAMES = frozenset(_PRIMARY) | frozenset(ALIASES)
@@ -48,6 +52,8 @@ def builtin_strategies(config: object | None = None) -> list[VictimStrategy]:
         LeastComputedFirst(),
         SeededRandom(seed=seed),
         ShortestRemaining(default_max_tokens=default_max),
+        CostAware(block_size=int(getattr(config, "block_size", 16))),
+        SglangRetract(),
         UtilityStrategy(UtilityParams.from_config(config)),
     ]
     by_name = {s.name: s for s in primary}

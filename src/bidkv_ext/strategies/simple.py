@@ -15,11 +15,13 @@ from bidkv_ext.strategies.base import Candidates
 
 __all__ = [
     "Abstain",
+    "CostAware",
     "LargestFirst",
     "LeastComputedFirst",
     "Lifo",
     "PriorityRule",
     "SeededRandom",
+    "SglangRetract",
     "ShortestRemaining",
 ]
 
@@ -128,3 +130,45 @@ class SeededRandom:
         self, candidates: Candidates, context: PreemptionContext, facts: Facts
     ) -> PreemptionCandidate | None:
         return candidates[self._rng.randrange(len(candidates))] if candidates else None
+
+
+@dataclass(frozen=True, slots=True)
+class CostAware:
+    """vLLM PR #56897's rule on the contract's fields: max reclaimable blocks per current
+    token, damped by generation progress: ``B / max(1, T) * (1 - O / max(1, M))``.
+
+    ``B`` is estimated as ``ceil(num_computed_tokens / block_size)`` (the contract has no
+    block counts), ``T`` is prompt + output tokens, ``O`` output tokens, ``M`` max_tokens.
+    """
+
+    name: str = "cost-aware"
+    block_size: int = 16
+
+    def choose(
+        self, candidates: Candidates, context: PreemptionContext, facts: Facts
+    ) -> PreemptionCandidate | None:
+        bs = self.block_size
+        best: PreemptionCandidate | None = None
+        best_score = -1.0
+        for c in reversed(candidates):
+            blocks = -(-c.num_computed_tokens // bs)
+            current = max(1, c.num_prompt_tokens + c.num_output_tokens)
+            progress = c.num_output_tokens / max(1, c.max_tokens)
+            score = blocks / current * (1.0 - min(progress, 1.0))
+            if score > best_score:
+                best, best_score = c, score
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class SglangRetract:
+    """SGLang's ``retract_decode`` order: fewest output tokens, ties to the longest prompt."""
+
+    name: str = "sglang"
+
+    def choose(
+        self, candidates: Candidates, context: PreemptionContext, facts: Facts
+    ) -> PreemptionCandidate | None:
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: (c.num_output_tokens, -c.num_prompt_tokens))

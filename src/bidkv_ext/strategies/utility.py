@@ -22,9 +22,9 @@ Ties go to the host's built-in victim, then to the newest request. Under the ``p
 scheduling policy only the least urgent priority class is eligible, so the policy never
 overrides the operator's priorities.
 
-Cascade guard: if the requester's own U times ``cascade_gain_ratio`` reaches the best U, the
-requester is chosen: preempting it ends the allocation loop at once, while any other
-victim may be followed by more.
+Cascade guard: when the best victim frees fewer blocks than the requester needs (so the
+host would go on to preempt more), and the requester's own U times ``cascade_gain_ratio``
+reaches the best U, the requester is chosen: preempting it ends the allocation loop at once.
 
 Decision cost: without host facts, a C-level ``min`` finds the least-lost candidate first;
 its exact U bounds which others can still win (``delta`` is at least ``base_cost +
@@ -46,7 +46,7 @@ from bidkv_ext.contract import (
 )
 from bidkv_ext.strategies.base import Candidates
 
-__all__ = ["UtilityParams", "UtilityStrategy"]
+__all__ = ["UtilityParams", "UtilityStrategy", "auto_preempt_weight"]
 
 _computed = attrgetter("num_computed_tokens")
 _priority = attrgetter("priority")
@@ -65,7 +65,7 @@ class UtilityParams:
     recompute_weight: float = 1.0
     completion_weight: float = 1.0
     completion_horizon: float = 32.0
-    preempt_weight: float = 1.0
+    preempt_weight: float = 2.0
     first_token_weight: float = 0.0
     cache_survival: float = 0.9
     epsilon: float = 1e-3
@@ -78,8 +78,23 @@ class UtilityParams:
     def from_config(cls, config: object | None) -> UtilityParams:
         if config is None:
             return cls()
-        names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
-        return cls(**{name: getattr(config, name) for name in names})
+        values = {f: getattr(config, f) for f in cls.__dataclass_fields__ if hasattr(config, f)}
+        if values.get("preempt_weight") is None:
+            prefix = bool(values.get("prefix_caching", True))
+            values["preempt_weight"] = auto_preempt_weight(prefix)
+        return cls(**values)
+
+
+def auto_preempt_weight(prefix_caching: bool) -> float:
+    """The measured default of the prior-preemption term (docs/policy.md, ablations).
+
+    With prefix caching a victim's full blocks come back as cache hits, so spreading
+    preemptions over requests that were not preempted yet costs little and avoids evicting
+    the same request's cache again and again. Without it every preemption costs the whole
+    context, and re-preempting the cheapest request is the cheaper choice (the liveness
+    guard still bounds how often).
+    """
+    return 2.0 if prefix_caching else 0.0
 
 
 class UtilityStrategy:
@@ -206,12 +221,22 @@ class UtilityStrategy:
         ratio = self.params.cascade_gain_ratio
         if ratio <= 1.0 or best.request_id == context.requesting_request_id:
             return best
+        if self._freed_blocks(best, facts) >= need:
+            return best  # one victim suffices: no cascade to guard against
         requester = _find(candidates, context.requesting_request_id)
         if requester is None:
             return best
         if self.utility(requester, need, facts) * ratio >= self.utility(best, need, facts):
             return requester
         return best
+
+    def _freed_blocks(
+        self, candidate: PreemptionCandidate, facts: PreemptionContextFacts | None
+    ) -> int:
+        fact = facts.facts.get(candidate.request_id) if facts else None
+        if fact is not None:
+            return fact.exclusive_blocks
+        return -(-candidate.num_computed_tokens // self.params.block_size)
 
     def _needed_blocks(
         self,

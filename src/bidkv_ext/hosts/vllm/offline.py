@@ -197,13 +197,16 @@ def make_request(
     priority: int = 0,
     *,
     block_size: int = _DEFAULT_BLOCK_SIZE,
+    ignore_eos: bool = True,
 ) -> Request:
     """A text request that generates exactly ``max_tokens`` tokens (``ignore_eos``).
 
     ``block_size`` must match the scheduler's block size for prefix caching to hash
-    the prompt at the right granularity.
+    the prompt at the right granularity. With ``ignore_eos=False`` the request also stops
+    at the first :data:`EOS_TOKEN_ID` it samples, as a real one does; ``max_tokens`` is then
+    only its cap.
     """
-    params = SamplingParams(ignore_eos=True, max_tokens=max_tokens)
+    params = SamplingParams(ignore_eos=ignore_eos, max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(
         request_id=request_id,
