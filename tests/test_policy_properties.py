@@ -85,7 +85,7 @@ def test_pruned_argmax_equals_scoring_everyone(
     cands = [PreemptionCandidate(str(i), *(getattr(c, f) for f in c.__slots__[1:]))
              for i, c in enumerate(cands)]
     context = PreemptionContext(tuple(cands), "fcfs", cands[0].request_id, 0.9, 1.0, None)
-    need = strategy._needed_blocks(context.candidates, context, None)
+    need = strategy._needed_blocks(cands[0], None)
     chosen = strategy.choose(context.candidates, context, None)
     scores = [strategy.utility(c, need) for c in cands]
     best = max(scores)

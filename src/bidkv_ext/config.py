@@ -53,10 +53,9 @@ class BidKVConfig(BaseModel):
     recompute_weight: NonNegFloat = 1.0
     completion_weight: NonNegFloat = 1.0
     completion_horizon: Annotated[float, Field(gt=0.0)] = 32.0
-    # None: chosen by the engine's prefix caching (see UtilityParams.from_config).
-    preempt_weight: NonNegFloat | None = None
+    preempt_weight: NonNegFloat = 0.0
     first_token_weight: NonNegFloat = 0.0
-    cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
+    cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     use_host_facts: bool = True
     block_size: Annotated[int, Field(gt=0)] = 16
     prefix_caching: bool = True

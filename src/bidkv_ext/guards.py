@@ -12,8 +12,8 @@ start (and the last barrier victim), and the table is rebuilt at every epoch sta
 requests that have left are forgotten. A request first seen after the epoch started counts
 all its preemptions against the threshold (the conservative side of the bound).
 
-Hot path: when no candidate has ``num_preemptions >= threshold`` (the common case) the guard
-costs one C-level ``max`` and returns the candidates tuple itself.
+Hot path: the selector asks :meth:`LivenessGuard.allows` about the strategy's choice (O(1))
+and filters the candidates only when that choice has spent its budget.
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ class LivenessGuard:
     def tracked(self) -> int:
         """How many requests the guard holds state for (bounded; see the module doc)."""
         return len(self._offsets)
+
+    def allows(self, candidate: PreemptionCandidate) -> bool:
+        """Whether ``candidate`` still has budget in this epoch (O(1))."""
+        threshold = self.threshold
+        if threshold == 0 or candidate.num_preemptions < threshold:
+            return True
+        return candidate.num_preemptions - self._offsets.get(candidate.request_id, 0) < threshold
 
     def filter(self, candidates: tuple[PreemptionCandidate, ...]) -> LivenessVerdict:
         threshold = self.threshold

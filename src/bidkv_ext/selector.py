@@ -82,11 +82,17 @@ class BidkvPreemptionPolicy:
         if not self._active:
             return None
         candidates = context.candidates
-        verdict = self._guard.filter(candidates)
-        if verdict.barrier:
-            self._barrier(context)
-            return None
-        choice = self._strategy.choose(verdict.eligible, context, facts)
+        guard = self._guard
+        choice = self._strategy.choose(candidates, context, facts)
+        if choice is not None and not guard.allows(choice):
+            # Rare path: the favourite spent its budget in this epoch. Choosing among the
+            # eligible candidates is the same as choosing among all when the favourite is
+            # eligible, so the common case costs one O(1) check instead of a scan.
+            verdict = guard.filter(candidates)
+            if verdict.barrier:
+                self._barrier(context)
+                return None
+            choice = self._strategy.choose(verdict.eligible, context, facts)
         if choice is None:
             return None
         if logger.isEnabledFor(logging.DEBUG):

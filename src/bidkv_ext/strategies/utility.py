@@ -35,8 +35,8 @@ Python. The result is identical to scoring everyone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, ge, indexOf
 
 from bidkv_ext.contract import (
     CandidateFacts,
@@ -46,13 +46,17 @@ from bidkv_ext.contract import (
 )
 from bidkv_ext.strategies.base import Candidates
 
-__all__ = ["UtilityParams", "UtilityStrategy", "auto_preempt_weight"]
+__all__ = ["UtilityParams", "UtilityStrategy"]
 
 _computed = attrgetter("num_computed_tokens")
 _priority = attrgetter("priority")
 _request_id = attrgetter("request_id")
+_preempted_computed = attrgetter("num_preemptions", "num_computed_tokens")
 # Below this many candidates the bound-and-prune pass costs more than it saves.
 _PRUNE_FROM = 48
+# A window larger than this after the first cut gets a second, sharper anchor.
+_REFINE_ABOVE = 16
+_NEVER = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +69,9 @@ class UtilityParams:
     recompute_weight: float = 1.0
     completion_weight: float = 1.0
     completion_horizon: float = 32.0
-    preempt_weight: float = 2.0
+    preempt_weight: float = 0.0
     first_token_weight: float = 0.0
-    cache_survival: float = 0.9
+    cache_survival: float = 0.0
     epsilon: float = 1e-3
     default_max_tokens: int = 1024
     cascade_gain_ratio: float = 1.25
@@ -78,23 +82,8 @@ class UtilityParams:
     def from_config(cls, config: object | None) -> UtilityParams:
         if config is None:
             return cls()
-        values = {f: getattr(config, f) for f in cls.__dataclass_fields__ if hasattr(config, f)}
-        if values.get("preempt_weight") is None:
-            prefix = bool(values.get("prefix_caching", True))
-            values["preempt_weight"] = auto_preempt_weight(prefix)
-        return cls(**values)
-
-
-def auto_preempt_weight(prefix_caching: bool) -> float:
-    """The measured default of the prior-preemption term (docs/policy.md, ablations).
-
-    With prefix caching a victim's full blocks come back as cache hits, so spreading
-    preemptions over requests that were not preempted yet costs little and avoids evicting
-    the same request's cache again and again. Without it every preemption costs the whole
-    context, and re-preempting the cheapest request is the cheaper choice (the liveness
-    guard still bounds how often).
-    """
-    return 2.0 if prefix_caching else 0.0
+        names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
+        return cls(**{name: getattr(config, name) for name in names})
 
 
 class UtilityStrategy:
@@ -128,14 +117,16 @@ class UtilityStrategy:
             candidates = _least_urgent(candidates)
         if facts is not None and not self.params.use_host_facts:
             facts = None
-        need = self._needed_blocks(candidates, context, facts)
+        requester = _at(candidates, context.requesting_request_id)
+        builtin = _at(candidates, context.builtin_victim_id)
+        need = self._needed_blocks(requester, facts)
         window = candidates
         if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
-            window = self._prune(candidates, need)
-        best = self._argmax(window, context, facts, need)
+            window = self._prune(candidates, need, builtin, requester)
+        best = self._argmax(window, builtin, facts, need)
         if best is None:
             return None
-        return self._cascade_guard(best, candidates, context, facts, need)
+        return self._cascade_guard(best, requester, facts, need)
 
     # -- scoring -----------------------------------------------------------------------
 
@@ -181,14 +172,13 @@ class UtilityStrategy:
     def _argmax(
         self,
         window: Candidates,
-        context: PreemptionContext,
+        builtin: PreemptionCandidate | None,
         facts: PreemptionContextFacts | None,
         need: int,
     ) -> PreemptionCandidate | None:
         # Walk newest-first with a strict '>' so ties keep the newest; the built-in victim
-        # is scored first so that it wins any tie.
+        # is scored first so that it wins any tie (if pruned, it cannot reach the best).
         utility = self.utility
-        builtin = _find(window, context.builtin_victim_id)
         best = builtin
         best_u = utility(builtin, need, facts) if builtin is not None else 0.0
         for candidate in reversed(window):
@@ -199,33 +189,61 @@ class UtilityStrategy:
             return None  # nobody frees anything: let the host decide
         return best
 
-    def _prune(self, candidates: Candidates, need: int) -> Candidates:
-        p = self.params
-        anchor = min(candidates, key=_computed)
-        u0 = self.utility(anchor, need)
+    def _prune(
+        self,
+        candidates: Candidates,
+        need: int,
+        *anchors: PreemptionCandidate | None,
+    ) -> Candidates:
+        # Every step below is one C-level pass over the candidates (no Python-level loop):
+        # at 1024 candidates a Python loop alone costs more than vLLM's own victim scan.
+        computed = [*map(_computed, candidates)]
+        least = min(computed)
+        at = computed.index(least)
+        lcf = candidates[at]
+        # The best exact U among the anchors is a floor the winner must reach.
+        u0 = max(self.utility(a, need) for a in (lcf, *anchors) if a is not None)
         if u0 <= 0.0:
             return candidates
-        # U_i <= need / (base + slope * computed_i): keep only those that can reach u0.
-        limit = (need / u0 - p.epsilon - p.base_cost) / self._lost_slope
-        window = tuple(compress(candidates, map(limit.__ge__, map(_computed, candidates))))
-        return window or (anchor,)
+        # Common case: nobody else is even close. One more C-level min over ints (cheaper
+        # than the filtering pass) shows whether the window is the anchors alone.
+        computed[at] = _NEVER
+        runner_up = min(computed)
+        computed[at] = least
+        if runner_up > self._limit(need, u0):
+            return tuple(a for a in (lcf, *anchors) if a is not None)
+        window = self._within(candidates, computed, need, u0)
+        if len(window) > _REFINE_ABOVE:
+            # The least computed was a poor anchor (typically preempted before, so its delta
+            # carries the P factor): anchor again on the least computed of the least
+            # preempted inside the window, and cut the window with that higher floor.
+            u0 = max(u0, self.utility(min(window, key=_preempted_computed), need))
+            window = self._within(window, [*map(_computed, window)], need, u0)
+        return window or (lcf,)
+
+    def _within(
+        self, candidates: Candidates, computed: list[int], need: int, u0: float
+    ) -> Candidates:
+        limit = self._limit(need, u0)
+        return tuple(compress(candidates, map(ge, repeat(limit), computed)))
+
+    def _limit(self, need: int, u0: float) -> float:
+        # U_i <= need / (base + slope * computed_i): only computed_i <= limit can reach u0.
+        p = self.params
+        return (need / u0 - p.epsilon - p.base_cost) / self._lost_slope
 
     def _cascade_guard(
         self,
         best: PreemptionCandidate,
-        candidates: Candidates,
-        context: PreemptionContext,
+        requester: PreemptionCandidate | None,
         facts: PreemptionContextFacts | None,
         need: int,
     ) -> PreemptionCandidate:
         ratio = self.params.cascade_gain_ratio
-        if ratio <= 1.0 or best.request_id == context.requesting_request_id:
+        if ratio <= 1.0 or requester is None or best is requester:
             return best
         if self._freed_blocks(best, facts) >= need:
             return best  # one victim suffices: no cascade to guard against
-        requester = _find(candidates, context.requesting_request_id)
-        if requester is None:
-            return best
         if self.utility(requester, need, facts) * ratio >= self.utility(best, need, facts):
             return requester
         return best
@@ -239,30 +257,29 @@ class UtilityStrategy:
         return -(-candidate.num_computed_tokens // self.params.block_size)
 
     def _needed_blocks(
-        self,
-        candidates: Candidates,
-        context: PreemptionContext,
-        facts: PreemptionContextFacts | None,
+        self, requester: PreemptionCandidate | None, facts: PreemptionContextFacts | None
     ) -> int:
         if facts is not None and facts.needed_blocks > 0:
             return facts.needed_blocks
-        bs = self.params.block_size
-        requester = _find(candidates, context.requesting_request_id)
         if requester is None:
             return 1
         total = requester.num_prompt_tokens + requester.num_output_tokens
         pending = total - requester.num_computed_tokens
         if pending <= 1:
             return 1  # decoding: at most one new block per step
-        return max(1, -(-min(pending, self.params.prefill_chunk_tokens) // bs))
+        chunk = min(pending, self.params.prefill_chunk_tokens)
+        return max(1, -(-chunk // self.params.block_size))
 
 
-def _find(candidates: Candidates, request_id: str | None) -> PreemptionCandidate | None:
+def _at(candidates: Candidates, request_id: str | None) -> PreemptionCandidate | None:
+    """The candidate with ``request_id``, or None; the tail (the FCFS victim) is tried first."""
     if request_id is None:
         return None
-    # A C-level scan: a Python loop over 1024 candidates costs more than the whole decision.
+    if candidates[-1].request_id == request_id:
+        return candidates[-1]
     try:
-        return candidates[[*map(_request_id, candidates)].index(request_id)]
+        # A C-level scan: a Python loop over 1024 candidates costs more than the decision.
+        return candidates[indexOf(map(_request_id, candidates), request_id)]
     except ValueError:
         return None
 
