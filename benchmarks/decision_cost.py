@@ -66,7 +66,7 @@ def main() -> None:
             context = contexts[n]
             rows[name].append(best_us(lambda c=controller, x=context: c.select_victim(x),
                                       args.repeat))
-    header = "| strategy | " + " | ".join(f"N={n} µs (×yardstick)" for n in sizes) + " |"
+    header = "| strategy | " + " | ".join(f"N={n} µs (x yardstick)" for n in sizes) + " |"
     print(header)
     print("|" + "---|" * (len(sizes) + 1))
     print("| vLLM priority scan (yardstick) | "

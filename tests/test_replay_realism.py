@@ -88,3 +88,20 @@ def test_reference_rule_abstains_like_0_2_1() -> None:
     twice = cand("big", computed=4000, preemptions=2)
     assert ref.select_victim(ctx([small, twice, cand("r3", computed=1)], requester="r3")) is None
     assert ref.select_victim(ctx([small, twice, cand("r3", computed=1)], requester="r3")) == "big"
+
+
+def test_arm_overrides_reach_the_policy_config() -> None:
+    from bidkv_ext.replay.arms import parse_arms
+
+    arms = parse_arms("builtin,bidkv{use_host_facts=false;preempt_weight=2},bidkv-0.2.1",
+                      preemption_policy=None, policy_classes=[], seed=3)
+    labels = [a.label for a in arms]
+    assert labels == ["builtin", "bidkv{use_host_facts=false;preempt_weight=2}", "bidkv-0.2.1"]
+    overrides = arms[1].bidkv_overrides
+    assert overrides is not None
+    assert overrides["use_host_facts"] is False and overrides["preempt_weight"] == 2
+    assert overrides["seed"] == 3 and overrides["strategy"] == "bidkv"
+    from bidkv_ext.replay.arms import ArmError
+
+    with pytest.raises(ArmError, match="expected key=value"):
+        parse_arms("bidkv{nonsense}", preemption_policy=None, policy_classes=[], seed=0)

@@ -1,12 +1,16 @@
-"""Victim-policy comparison on the three shared traces at three KV budgets each.
+"""Victim-policy comparison and BidKV ablations on the shared traces, through the real
+vLLM 0.33.0 scheduler (``bidkv-replay`` in-process: vLLM is imported once).
 
-Runs ``bidkv-replay`` in-process (vLLM is imported once) for every (trace, budget) cell and
-writes the combined table between the markers in ``benchmarks/replay/README.md``.
+    .venv/bin/python benchmarks/replay/run.py comparison [--traces DIR] [--cells a,b]
+    .venv/bin/python benchmarks/replay/run.py ablation   [--traces DIR] [--cells a,b]
 
-    .venv/bin/python benchmarks/replay/run.py [--traces DIR] [--out DIR] [--quick]
+``comparison`` runs every cell with the peers (builtin, least-computed-first), BidKV with
+and without host facts, the reference BidKV 0.2.1 rule and the clairvoyant reference, and
+checks issue 8's goals per cell. ``ablation`` switches BidKV's terms and guards on and off.
+Each suite writes its tables between its markers in ``benchmarks/replay/README.md``.
 
-Slices are fixed (first N requests) so the run fits about 15 minutes on 2 cores; the
-KV budgets are chosen per trace for no / moderate / heavy pressure.
+Traces default to ``../shared/traces`` beside the repository. Every cell is a fixed window
+of one trace (recorded in the table with its knobs); the replay is deterministic.
 """
 
 from __future__ import annotations
@@ -18,92 +22,156 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bidkv_ext.replay.cli import main as replay_main
 
 ROOT = Path(__file__).resolve().parent
-POLICIES = "builtin,least-computed-first,largest-first,random,shortest-remaining,bidkv,clairvoyant"
-BEGIN = "<!-- results:begin -->"
-END = "<!-- results:end -->"
+REPO = ROOT.parents[1]
 
 
 @dataclass(frozen=True)
 class Cell:
+    name: str
     trace: str
-    requests: int
-    budgets: tuple[tuple[str, int], ...]
-    extra: tuple[str, ...] = ()
+    args: tuple[str, ...]
 
 
+CONV = "azure_llm_2023_conv.csv"
+CODE = "azure_llm_2023_code.csv"
+MOON = "mooncake_fast25_conversation.jsonl"
 CELLS = (
-    Cell("azure_llm_2023_conv.csv", 600, (("none", 8192), ("moderate", 1600), ("heavy", 800))),
-    Cell("azure_llm_2023_code.csv", 300, (("none", 8192), ("moderate", 1200), ("heavy", 700))),
-    Cell("mooncake_fast25_conversation.jsonl", 120,
-         (("none", 32768), ("moderate", 6000), ("heavy", 3000)),
-         ("--max-model-len", "32768")),
+    Cell("conv-pc-moderate", CONV, ("--duration", "300", "--num-gpu-blocks", "1200")),
+    Cell("conv-pc-heavy", CONV, ("--duration", "300", "--num-gpu-blocks", "600")),
+    Cell("conv-nopc-moderate", CONV,
+         ("--duration", "300", "--num-gpu-blocks", "1600", "--no-prefix-caching")),
+    Cell("conv-nopc-heavy", CONV,
+         ("--duration", "300", "--num-gpu-blocks", "1000", "--no-prefix-caching")),
+    Cell("code-pc-heavy", CODE,
+         ("--duration", "600", "--rate-scale", "4", "--num-gpu-blocks", "600")),
+    Cell("mooncake-pc-moderate", MOON,
+         ("--duration", "600", "--rate-scale", "0.25", "--num-gpu-blocks", "3000")),
 )
+
+COMPARISON = ("builtin,least-computed-first,bidkv,bidkv{use_host_facts=false},"
+              "bidkv-0.2.1,clairvoyant")
+ABLATION = (
+    "bidkv,"
+    "bidkv{liveness_preemptions=0},"
+    "bidkv{cascade_gain_ratio=1.0},"
+    "bidkv{use_host_facts=false},"
+    "bidkv{base_cost=0},"
+    "bidkv{preempt_weight=2},"
+    "bidkv{cache_survival=0.9},"
+    "bidkv{completion_weight=0}"
+)
+SUITES = {"comparison": COMPARISON, "ablation": ABLATION}
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _row(cell: Cell, report: dict[str, Any], arm: dict[str, Any], speed: float) -> str:
+    ttft, e2e = arm["ttft_s"], arm["e2e_s"]
+    c = arm["controller"]
+    return (
+        f"| {cell.name} | {arm['label']} | {_pct(arm['recompute_tax'])} | "
+        f"{ttft['p50']:.2f} | {ttft['p95']:.2f} | {ttft['p99']:.2f} | {e2e['p99']:.2f} | "
+        f"{arm['throughput_output_tok_s']:.0f} | {arm['preemptions_per_1k']:.0f} | "
+        f"{arm['max_preemptions_one_request']} | {c.get('calls', '-')}/{c.get('selections', '-')}"
+        f"/{c.get('abstentions', '-')} | {speed:.1f} |"
+    )
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.1f}"
+def _goals(cell: Cell, arms: dict[str, dict[str, Any]], prefix_caching: bool) -> str:
+    """Issue 8's per-cell goals for the default ``bidkv`` arm, each marked met or not."""
+    b, base = arms["bidkv"], arms["builtin"]
+    tax = {k: a["recompute_tax"] for k, a in arms.items()}
+    p95 = {k: a["ttft_s"]["p95"] for k, a in arms.items()}
+    checks: list[tuple[str, bool]] = []
+    if prefix_caching:
+        best_tax = min(tax["builtin"], tax["least-computed-first"])
+        best_p95 = min(p95["builtin"], p95["least-computed-first"])
+        oracle = tax.get("clairvoyant (reference)", best_tax)
+        half_gap = best_tax - max(0.0, (best_tax - oracle)) / 2
+        checks += [("tax <= best peer", tax["bidkv"] <= best_tax),
+                   ("P95 TTFT <= best peer", p95["bidkv"] <= best_p95),
+                   ("closes half the gap to clairvoyant", tax["bidkv"] <= half_gap)]
+    else:
+        checks += [("tax <= 0.85x LCF", tax["bidkv"] <= 0.85 * tax["least-computed-first"]),
+                   ("tax <= 0.5x builtin", tax["bidkv"] <= 0.5 * tax["builtin"]),
+                   ("P95 TTFT <= LCF", p95["bidkv"] <= p95["least-computed-first"])]
+    checks.append(("throughput >= 0.99x builtin",
+                   b["throughput_output_tok_s"] >= 0.99 * base["throughput_output_tok_s"]))
+    ref = arms.get("bidkv-0.2.1")
+    if ref is not None:
+        better = (b["recompute_tax"] <= ref["recompute_tax"]
+                  and b["ttft_s"]["p95"] <= ref["ttft_s"]["p95"]
+                  and b["throughput_output_tok_s"] >= ref["throughput_output_tok_s"])
+        checks.append(("better than bidkv-0.2.1 (tax, P95 TTFT, throughput)", better))
+    marks = "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks)
+    return f"- `{cell.name}`: {marks}"
+
+
+def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> str:
+    header = (
+        "| cell | policy | recompute tax | TTFT p50 s | TTFT p95 s | TTFT p99 s | E2E p99 s "
+        "| out tok/s | preempt/1k | max preempt | calls/sel/abst | sim s / wall s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows: list[str] = []
+    goals: list[str] = []
+    started = time.perf_counter()
+    for cell in cells:
+        out = out_root / f"{suite}-{cell.name}"
+        argv = ["--trace", str(traces / cell.trace), *cell.args, "--policies", SUITES[suite],
+                "--no-progress", "--no-plots", "--output-dir", str(out)]
+        print(f"== {suite} {cell.name}: {' '.join(cell.args)}", flush=True)
+        if replay_main(argv) != 0:
+            raise SystemExit(f"run.py: replay failed for {cell.name}")
+        report = json.loads((out / "report.json").read_text())
+        speeds = json.loads((out / "timing.json").read_text())["simulated_seconds_per_wall_second"]
+        by_label = {arm["label"]: arm for arm in report["arms"]}
+        rows += [_row(cell, report, arm, speeds[arm["label"]]) for arm in report["arms"]]
+        if suite == "comparison":
+            goals.append(_goals(cell, by_label, report["settings"]["enable_prefix_caching"]))
+    knobs = "\n".join(f"- `{c.name}`: `{c.trace}` {' '.join(c.args)}" for c in cells)
+    took = time.perf_counter() - started
+    text = f"{header}\n" + "\n".join(rows) + f"\n\nCells (trace and knobs):\n{knobs}\n"
+    if goals:
+        text += "\nIssue 8 goals for the default `bidkv` arm:\n" + "\n".join(goals) + "\n"
+    return text + f"\nTotal wall time: {took:.0f} s.\n"
+
+
+def write_section(suite: str, text: str) -> None:
+    begin, end = f"<!-- {suite}:begin -->", f"<!-- {suite}:end -->"
+    readme = ROOT / "README.md"
+    current = readme.read_text()
+    if begin not in current:
+        current += f"\n{begin}\n{end}\n"
+    head, _, rest = current.partition(begin)
+    _, _, tail = rest.partition(end)
+    readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--traces", type=Path, default=Path("/work/shared/traces"))
-    scratch = Path(tempfile.gettempdir()) / "bidkv-replay-bench"
-    parser.add_argument("--out", type=Path, default=scratch)
-    parser.add_argument("--quick", action="store_true", help="a third of each slice")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("--traces", type=Path, default=REPO.parent / "shared" / "traces")
+    parser.add_argument("--cells", default=None, help="comma-separated cell names (default all)")
+    parser.add_argument("--out", type=Path,
+                        default=Path(tempfile.gettempdir()) / "bidkv-replay-bench")
+    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    rows: list[str] = []
-    started = time.perf_counter()
-    for cell in CELLS:
-        n = max(20, cell.requests // 3) if args.quick else cell.requests
-        for pressure, blocks in cell.budgets:
-            out = args.out / f"{Path(cell.trace).stem}-{pressure}"
-            argv = ["--trace", str(args.traces / cell.trace), "--max-requests", str(n),
-                    "--num-gpu-blocks", str(blocks), "--policies", POLICIES, "--no-progress",
-                    "--output-dir", str(out), *cell.extra]
-            print(f"== {cell.trace} {pressure} ({blocks} blocks, {n} requests)", flush=True)
-            if replay_main(argv) != 0:
-                return 1
-            report = json.loads((out / "report.json").read_text())
-            speed = json.loads((out / "timing.json").read_text())
-            speeds = speed["simulated_seconds_per_wall_second"]
-            trace = report["trace"]
-            filtered = trace["filtered_too_long"] + trace["filtered_kv_capacity"]
-            for arm in report["arms"]:
-                rows.append(
-                    f"| {Path(cell.trace).stem} | {pressure} ({blocks}) | "
-                    f"{report['trace']['requests']} (-{filtered}) | {arm['label']} | "
-                    f"{_pct(arm['recompute_tax'])} | {arm['preemptions_per_1k']:.0f} | "
-                    f"{arm['max_preemptions_one_request']} | {_s(arm['ttft_s']['p50'])} | "
-                    f"{_s(arm['ttft_s']['p99'])} | {_ms(arm['tpot_s']['p99'])} | "
-                    f"{_s(arm['e2e_s']['p99'])} | {arm['throughput_output_tok_s']:.0f} | "
-                    f"{arm['goodput_req_s']:.2f} | {speeds[arm['label']]:.1f} |"
-                )
-    header = (
-        "| trace | KV pressure (blocks) | requests (filtered) | policy | recompute tax | "
-        "preempt/1k | max preempt | TTFT p50 s | TTFT p99 s | TPOT p99 ms | E2E p99 s | "
-        "out tok/s | goodput req/s | sim s / wall s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-    )
-    total = time.perf_counter() - started
-    table = f"{header}\n" + "\n".join(rows) + f"\n\nTotal wall time: {total:.0f} s.\n"
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
-    print(table)
+    wanted = set(args.cells.split(",")) if args.cells else None
+    cells = [c for c in CELLS if wanted is None or c.name in wanted]
+    if not cells:
+        parser.error(f"--cells: none of {sorted(wanted or ())} is a cell name")
+    text = run_suite(args.suite, args.traces, cells, args.out)
+    print(text)
+    if not args.no_write:
+        write_section(args.suite, text)
     return 0
 
 

@@ -57,6 +57,8 @@ class BidKVConfig(BaseModel):
     first_token_weight: NonNegFloat = 0.0
     cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     use_host_facts: bool = True
+    # While elastic KV (kvcached) shrinks: U x (1 + shrink_page_weight x pages released).
+    shrink_page_weight: NonNegFloat = 1.0
     block_size: Annotated[int, Field(gt=0)] = 16
     prefix_caching: bool = True
 

@@ -7,6 +7,10 @@ integration registers each in ``kvcached.pool_registry``. This module reads them
   pages, aggregated over the registered pools, or ``None`` when kvcached is not active here.
 - :func:`pages_released` -- how many whole pages a set of block ids would return to the GPU
   if they were freed (a page releases physical memory only when all its blocks are free).
+- :func:`register_source` / :func:`signals_source` -- a host without kvcached (the
+  replay's simulated elastic pool) publishes its own :class:`CapacitySignals` and, through
+  :func:`current_page_model`, how its block ids map to pages. A registered source takes
+  precedence over kvcached pools: registering one is an explicit statement by the host.
 
 Both are cheap and never raise. kvcached is **never imported** here: when kvcached is active
 its autopatch has already imported it (that is how the pools got registered), and when it
@@ -21,17 +25,24 @@ preemption decision, not per scheduler step.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "CapacitySignals",
+    "PageModel",
     "PoolSignals",
+    "SignalsSource",
+    "current_page_model",
     "current_signals",
     "pages_released",
+    "register_source",
     "reset_cache",
+    "signals_source",
+    "unregister_source",
 ]
 
 _REGISTRY_MODULE = "kvcached.pool_registry"
@@ -70,6 +81,72 @@ class CapacitySignals:
     mapped_bytes: int | None
     physical_free_pages: int | None
     pools: tuple[PoolSignals, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PageModel:
+    """How a source's block ids map to physical pages: block ``b`` lies on page
+    ``b // blocks_per_page``; ids run from 0 to ``num_blocks - 1`` (so the last page may
+    be partial). Block 0 is the host's null block: always held, its page never frees."""
+
+    blocks_per_page: int
+    num_blocks: int
+
+    def page_of(self, block_id: int) -> int:
+        return block_id // self.blocks_per_page
+
+    def page_size(self, page: int) -> int:
+        """Blocks on ``page`` (the last page holds the remainder)."""
+        start = page * self.blocks_per_page
+        return max(0, min(self.blocks_per_page, self.num_blocks - start))
+
+
+@runtime_checkable
+class SignalsSource(Protocol):
+    """A host-side publisher of capacity signals (e.g. the replay's elastic pool)."""
+
+    def capacity_signals(self) -> CapacitySignals | None: ...
+
+    def page_model(self) -> PageModel | None: ...
+
+
+_source: SignalsSource | None = None
+
+
+def register_source(source: SignalsSource) -> None:
+    """Publish ``source``'s signals in this process. One source at a time."""
+    global _source
+    if _source is not None and _source is not source:
+        raise RuntimeError("a capacity signals source is already registered in this process")
+    _source = source
+
+
+def unregister_source(source: SignalsSource) -> None:
+    """Withdraw ``source`` (a no-op when another source, or none, is registered)."""
+    global _source
+    if _source is source:
+        _source = None
+
+
+@contextmanager
+def signals_source(source: SignalsSource) -> Iterator[SignalsSource]:
+    """Register ``source`` for the duration of the block, also on exceptions."""
+    register_source(source)
+    try:
+        yield source
+    finally:
+        unregister_source(source)
+
+
+def current_page_model() -> PageModel | None:
+    """The registered source's page model; ``None`` without a source (one global read)."""
+    source = _source
+    if source is None:
+        return None
+    try:
+        return source.page_model()
+    except Exception:  # an observer must never break victim selection
+        return None
 
 
 def reset_cache() -> None:
@@ -144,8 +221,15 @@ def current_signals() -> CapacitySignals | None:
     """kvcached's capacity state, or ``None`` when no kvcached pool lives in this process.
 
     Never raises: a failure reading a live pool yields ``None`` so that the caller falls
-    back to its behaviour without signals.
+    back to its behaviour without signals. A registered source (see
+    :func:`register_source`) answers instead of kvcached.
     """
+    source = _source
+    if source is not None:
+        try:
+            return source.capacity_signals()
+        except Exception:  # the scheduler must never fail because of an observer
+            return None
     try:
         managers = _managers()
         if not managers:

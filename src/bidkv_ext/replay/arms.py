@@ -34,6 +34,7 @@ Arm kinds
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -145,8 +146,49 @@ def _strategy_names() -> frozenset[str]:
     return frozenset(STRATEGY_NAMES)
 
 
+def _split_policies(text: str) -> list[str]:
+    """Split ``--policies`` on commas outside ``{...}`` override blocks."""
+    names: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for ch in text:
+        if ch == "," and depth == 0:
+            names.append("".join(current).strip())
+            current = []
+            continue
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        current.append(ch)
+    names.append("".join(current).strip())
+    return [n for n in names if n]
+
+
+def _overrides(name: str) -> tuple[str, dict[str, object]]:
+    """``bidkv{preempt_weight=2;use_host_facts=false}`` -> ("bidkv", {...})."""
+    base, brace, rest = name.partition("{")
+    if not brace:
+        return name, {}
+    if not rest.endswith("}"):
+        raise ArmError(f"--policies: {name!r} must end with '}}'")
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in rest[:-1].split(";"))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ArmError(f"--policies: {name!r}: expected key=value, got {item!r}")
+        try:
+            values[key.strip()] = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            values[key.strip()] = raw.strip()
+    return base.strip(), values
+
+
 def named_arm(name: str, seed: int) -> Arm:
-    """An arm for a ``--policies`` entry: a selector strategy or ``clairvoyant``."""
+    """An arm for a ``--policies`` entry: a selector strategy or ``clairvoyant``.
+
+    A strategy name may carry BidKV setting overrides for this arm alone, e.g.
+    ``bidkv{use_host_facts=false;preempt_weight=2}`` (the label keeps the braces).
+    """
+    label = name
+    name, extra = _overrides(name)
     if name == CLAIRVOYANT:
         return Arm(
             "clairvoyant (reference)",
@@ -171,7 +213,8 @@ def named_arm(name: str, seed: int) -> Arm:
     if name != "bidkv":
         # Peers are the plain rules of evaluation.md: none of our guards.
         overrides["liveness_preemptions"] = 0
-    return Arm(name, "named", factory, overrides)
+    overrides.update(extra)
+    return Arm(label, "named", factory, overrides)
 
 
 def _host_arm(spec: str) -> Arm:
@@ -204,9 +247,7 @@ def parse_arms(
     """Arms in command-line order: ``--policies`` names, then host spec, then classes."""
     arms: list[Arm] = []
     if policies:
-        for name in (p.strip() for p in policies.split(",")):
-            if name:
-                arms.append(named_arm(name, seed))
+        arms.extend(named_arm(name, seed) for name in _split_policies(policies))
     if preemption_policy is not None:
         arms.append(_host_arm(preemption_policy))
     arms.extend(_class_arm(spec) for spec in policy_classes)

@@ -11,6 +11,11 @@ through the controller (``from_vllm_config`` sees ``--additional-config`` and th
 ``BIDKV_UTILITY_*`` environment); ``--additional-config JSON`` reaches every arm's
 ``VllmConfig.additional_config``.
 
+Elastic capacity: ``--capacity-schedule FILE`` (JSON list of ``{"t": s, "blocks": n}`` or
+CSV ``t,blocks``) lowers and raises the KV blocks available over simulated time with
+kvcached's semantics (``bidkv_ext.replay.capacity``); ``--blocks-per-page`` sets the page
+geometry and ``--no-capacity-signals`` keeps the elastic pool but publishes no signals.
+
 Bad input (trace rows, files, flags, configuration) prints one line and exits 2.
 """
 
@@ -26,6 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from bidkv_ext.replay.arms import Arm, ArmError, parse_arms
+from bidkv_ext.replay.capacity import (
+    DEFAULT_BLOCKS_PER_PAGE,
+    CapacitySchedule,
+    CapacityScheduleError,
+    load_capacity_schedule,
+)
 from bidkv_ext.replay.steptime import PRESETS, StepTimeModelError, load_step_model
 from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace, select_requests
 
@@ -92,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON object passed as VllmConfig.additional_config to every arm")
     add("--step-model", default="llama-3.1-8b-h100",
         help=f"preset ({', '.join(sorted(PRESETS))}) or a JSON/TOML file with name, a, b, c, d")
+    add("--capacity-schedule", type=Path, default=None, metavar="FILE",
+        help='elastic KV capacity over simulated time: JSON [{"t": s, "blocks": n}, ...] or '
+        "CSV t,blocks (t from the first arrival; blocks <= --num-gpu-blocks - 1); shrinks "
+        "wait for blocks to free, growth is immediate (kvcached semantics)")
+    add("--blocks-per-page", type=int, default=DEFAULT_BLOCKS_PER_PAGE,
+        help="KV blocks per physical page for the elastic pool (default "
+        f"{DEFAULT_BLOCKS_PER_PAGE}: Llama-3.1-8B, 64 KiB per-layer block, 2 MiB page)")
+    add("--capacity-signals", action=argparse.BooleanOptionalAction, default=True,
+        help="publish the elastic pool's capacity signals to policies (default on)")
     add("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -128,6 +148,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise _UsageError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
     if args.duration is not None and args.duration <= 0:
         raise _UsageError(f"--duration must be > 0, got {args.duration}")
+    if args.blocks_per_page < 1:
+        raise _UsageError(f"--blocks-per-page must be >= 1, got {args.blocks_per_page}")
 
 
 def _sha256(path: Path) -> str:
@@ -143,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args)
-    except (_UsageError, TraceError, StepTimeModelError, ArmError) as exc:
+    except (_UsageError, TraceError, StepTimeModelError, ArmError,
+            CapacityScheduleError) as exc:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
@@ -161,6 +184,9 @@ def _run(args: argparse.Namespace) -> int:
     is_sample = args.trace is None
     default_blocks = SAMPLE_NUM_GPU_BLOCKS if is_sample else DEFAULT_NUM_GPU_BLOCKS
     num_blocks = args.num_gpu_blocks or default_blocks
+    capacity: CapacitySchedule | None = None
+    if args.capacity_schedule is not None:
+        capacity = load_capacity_schedule(args.capacity_schedule, num_blocks - 1)
     policies = args.policies
     if policies is None and args.preemption_policy is None and not args.policy_class:
         policies = DEFAULT_POLICIES
@@ -203,6 +229,9 @@ def _run(args: argparse.Namespace) -> int:
         scheduling_policy=args.scheduling_policy,
         additional_config=additional,
         seed=args.seed,
+        capacity_schedule=capacity,
+        blocks_per_page=args.blocks_per_page,
+        capacity_signals=args.capacity_signals,
     )
     trace_info: dict[str, Any] = {
         "name": trace_path.name,
@@ -273,6 +302,7 @@ def _write_outputs(
     import vllm
 
     from bidkv_ext.replay.report import (
+        format_capacity_table,
         format_table,
         markdown_report,
         write_atomic,
@@ -295,6 +325,7 @@ def _write_outputs(
             "enable_chunked_prefill": settings.enable_chunked_prefill,
             "scheduling_policy": settings.scheduling_policy,
             "additional_config": dict(settings.additional_config),
+            "capacity_schedule": _capacity_settings(args, settings),
         },
         "host": {"vllm_version": vllm.__version__,
                  "scheduler": "bidkv_ext.hosts.vllm.PolicyScheduler"},
@@ -311,6 +342,9 @@ def _write_outputs(
     if not args.no_plots:
         write_plots(out, ttfts, results)
     print(format_table(results, speeds))
+    capacity_table = format_capacity_table(results)
+    if capacity_table:
+        print(capacity_table)
     print(f"outputs: {out}/ (report.json, timing.json, report.md"
           f"{'' if args.no_plots else ', ttft_cdf.png, bars.png'})")
     broken = [r["label"] for r in results if not _conserved(r)]
@@ -321,11 +355,32 @@ def _write_outputs(
     return 0
 
 
+def _capacity_settings(args: argparse.Namespace, settings: Any) -> dict[str, Any] | None:
+    schedule = settings.capacity_schedule
+    if schedule is None:
+        return None
+    path: Path = args.capacity_schedule
+    return {
+        "file": path.name,
+        "sha256": _sha256(path),
+        "points": schedule.as_list(),
+        "blocks_per_page": settings.blocks_per_page,
+        "signals": settings.capacity_signals,
+    }
+
+
 def _conserved(metrics: dict[str, object]) -> bool:
     c = metrics["conservation"]
     assert isinstance(c, dict)
-    return bool(c["all_completed_once"] and c["exact_output_lengths"]
-                and c["free_blocks_end"] == c["usable_blocks"])
+    ok = bool(c["all_completed_once"] and c["exact_output_lengths"]
+              and c["free_blocks_end"] == c["usable_blocks"])
+    capacity = metrics.get("capacity")
+    if isinstance(capacity, dict):
+        # No block leaked into or out of the reserve, and a completed shrink was honoured.
+        end = capacity["free_blocks_end"], capacity["reserved_blocks_end"]
+        ok = ok and bool(capacity["reserve_released"]) and sum(end) == c["usable_blocks"]
+        ok = ok and capacity["max_overcommit_after_shrink_blocks"] == 0
+    return ok
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,13 @@ anything, so they are neither computed nor recomputed. The upper bound adds each
 Simulated time: the scheduler module's ``time`` is swapped for the replay clock while a
 replay runs, so the host's ``now`` (``scheduled_timestamp``) and the requests' arrival times
 share one clock and policies that read them stay deterministic.
+
+Elastic capacity (``ReplaySettings.capacity_schedule``): an
+:class:`~bidkv_ext.replay.capacity.ElasticPool` holds blocks of the real block pool back
+before each step (kvcached semantics, see :mod:`bidkv_ext.replay.capacity`) and, with
+``capacity_signals`` on, is registered as the ``kvcached_provider.signals`` source for the
+arm (unregistered when the arm ends, also on errors). When nothing can be scheduled the
+clock jumps to the next arrival or the next capacity change, whichever comes first.
 """
 
 from __future__ import annotations
@@ -22,15 +29,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bidkv_ext.replay.arms import Arm
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
 from bidkv_ext.replay.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from bidkv_ext.replay.capacity import CapacitySchedule, ElasticPool
 
 __all__ = [
     "ArmRun",
@@ -67,6 +77,10 @@ class ReplaySettings:
     # ends by sampling EOS at its trace length, so no policy can read the true output
     # length from max_tokens. "exact": max_tokens = trace length (clairvoyant max_tokens).
     max_tokens: str = "model-len"
+    # Elastic KV capacity (None: the pool keeps all its blocks); see capacity.py.
+    capacity_schedule: CapacitySchedule | None = None
+    blocks_per_page: int = 32
+    capacity_signals: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +114,7 @@ class ArmRun:
     free_blocks_end: int
     usable_blocks: int
     wall_seconds: float
+    capacity: Mapping[str, object] | None = None
 
 
 class _SimTime:
@@ -173,11 +188,17 @@ def run_arm(
         vllm_config, kv_cache_config, preemption_policy=arm.factory(true_output), log_stats=False
     )
     prompts = PromptFactory(settings.seed)
-    with _simulated_clock(sched_module) as clock:
+    elastic = _elastic_pool(scheduler, requests, settings)
+    with _simulated_clock(sched_module) as clock, _published(elastic, settings):
         started = time.perf_counter()
-        state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock)
+        state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock,
+                      elastic)
         state.run(ModelRunnerOutput, progress)
         wall = time.perf_counter() - started
+    capacity = None
+    if elastic is not None:
+        capacity = elastic.finish()
+        capacity["signals_published"] = settings.capacity_signals
     usable = kv_cache_config.num_blocks - 1  # one block is vLLM's null block
     return ArmRun(
         label=arm.label,
@@ -193,7 +214,34 @@ def run_arm(
         free_blocks_end=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
         usable_blocks=usable,
         wall_seconds=wall,
+        capacity=capacity,
     )
+
+
+def _elastic_pool(
+    scheduler: Any, requests: Sequence[TraceRequest], settings: ReplaySettings
+) -> ElasticPool | None:
+    if settings.capacity_schedule is None:
+        return None
+    from bidkv_ext.replay.capacity import ElasticPool
+
+    return ElasticPool(
+        scheduler.kv_cache_manager.block_pool,
+        settings.capacity_schedule,
+        blocks_per_page=settings.blocks_per_page,
+        origin=requests[0].arrival if requests else 0.0,
+    )
+
+
+@contextmanager
+def _published(elastic: ElasticPool | None, settings: ReplaySettings) -> Iterator[None]:
+    """Register the elastic pool as the signals source for the arm, if asked to."""
+    with ExitStack() as stack:
+        if elastic is not None and settings.capacity_signals:
+            from kvcached_provider.signals import signals_source
+
+            stack.enter_context(signals_source(elastic))
+        yield
 
 
 class _Loop:
@@ -209,6 +257,7 @@ class _Loop:
         step_model: StepTimeModel,
         settings: ReplaySettings,
         clock: _SimTime,
+        elastic: ElasticPool | None = None,
     ) -> None:
         n = len(requests)
         self.requests = requests
@@ -220,6 +269,7 @@ class _Loop:
         self.model = step_model
         self.settings = settings
         self.clock = clock
+        self.elastic = elastic
         self.mark = [0] * n
         self.position = [0] * n
         self.first = [math.nan] * n
@@ -263,6 +313,7 @@ class _Loop:
         lengths = [r.output_length for r in requests]
         first, finish, tokens = self.first, self.finish, self.tokens
         step_seconds = self.model.step_seconds
+        elastic = self.elastic
         now = requests[0].arrival if n else 0.0
         arrived = done = idle_steps = 0
         while done < n:
@@ -273,7 +324,11 @@ class _Loop:
                 now = requests[arrived].arrival
                 continue
             self.clock.now = now
+            if elastic is not None:
+                elastic.before_step(now)
             out = scheduler.schedule()
+            if elastic is not None:
+                elastic.after_schedule()
             self.steps += 1
             preempted = out.preempted_req_ids
             if preempted:
@@ -283,12 +338,7 @@ class _Loop:
                 scheduler.update_from_output(out, runner_output_cls(req_ids=[], req_id_to_index={}))
                 idle_steps += 1
                 if idle_steps >= 2:
-                    if arrived >= n:
-                        raise ReplayError(
-                            "the scheduler cannot make progress: a request needs more KV "
-                            "blocks than --num-gpu-blocks provides"
-                        )
-                    now = max(now, requests[arrived].arrival)
+                    now = self._next_event(now, arrived)
                     idle_steps = 0
                 continue
             idle_steps = 0
@@ -341,6 +391,28 @@ class _Loop:
                         done += 1
                         if progress is not None:
                             progress.update(1)
+
+    def _next_event(self, now: float, arrived: int) -> float:
+        """Where the clock goes when nothing can be scheduled: the next arrival or capacity
+        change; with neither, the replay is stuck."""
+        events = []
+        if arrived < len(self.requests):
+            events.append(self.requests[arrived].arrival)
+        if self.elastic is not None:
+            change = self.elastic.next_change_after(now)
+            if change is not None:
+                events.append(change)
+        if not events:
+            if self.elastic is not None:
+                raise ReplayError(
+                    "the scheduler cannot make progress: a request needs more KV blocks than "
+                    f"the capacity schedule's final {self.elastic.target} blocks provide"
+                )
+            raise ReplayError(
+                "the scheduler cannot make progress: a request needs more KV "
+                "blocks than --num-gpu-blocks provides"
+            )
+        return max(now, min(events))
 
     def _record_preemptions(self, preempted: set[str]) -> None:
         self.pressure_steps += 1

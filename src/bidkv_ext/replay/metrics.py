@@ -7,6 +7,8 @@
 * Recompute tax = recomputed tokens / all computed tokens (exact, from the step loop);
   the upper bound uses the victims' ``num_computed_tokens`` at preemption time instead.
 * Preemptions per 1k = 1000 * preemption events / completed requests.
+* Elastic capacity (only with a capacity schedule): the arm's ``capacity`` summary from
+  :class:`~bidkv_ext.replay.capacity.ElasticPool` (time in shrink, overcommit, reserve).
 * Goodput at SLO: completed requests with TTFT <= 2 s and TPOT <= 100 ms per makespan
   second (the TPOT bound is vacuous for one-token outputs), and the attainment fraction.
 """
@@ -65,7 +67,7 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
             or (o.finish - o.first_token) / (o.output_tokens - 1) <= SLO_TPOT_S
         )
     )
-    return {
+    metrics: dict[str, object] = {
         "label": run.label,
         "kind": run.kind,
         "reference": run.kind == "reference",
@@ -101,3 +103,6 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
             "usable_blocks": run.usable_blocks,
         },
     }
+    if run.capacity is not None:
+        metrics["capacity"] = dict(run.capacity)
+    return metrics

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "capacity_markdown",
+    "format_capacity_table",
     "format_table",
     "markdown_report",
     "write_atomic",
@@ -88,6 +90,85 @@ def markdown_table(arms: Sequence[Mapping[str, Any]], speeds: Mapping[str, float
     return "\n".join(lines)
 
 
+_CAPACITY_COLUMNS: tuple[str, ...] = (
+    "policy", "shrinks done", "shrink time max", "time in shrink", "steps in shrink",
+    "min capacity", "free pages at shrink end", "over target in shrink",
+    "overcommit after shrink", "reserve released",
+)
+
+
+def _capacity_rows(arms: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    rows = []
+    for arm in arms:
+        cap = arm.get("capacity")
+        if not isinstance(cap, Mapping):
+            continue
+        rows.append([
+            str(arm["label"]),
+            f"{cap['shrinks_completed']}/{cap['shrinks']}",
+            _seconds(cap["shrink_completion_s"]["max"]),
+            _seconds(float(cap["time_in_shrink_s"])),
+            str(cap["steps_in_shrink"]),
+            str(cap["min_effective_blocks"]),
+            _pages(cap["free_pages_at_shrink_end"]),
+            str(cap["max_over_target_during_shrink_blocks"]),
+            str(cap["max_overcommit_after_shrink_blocks"]),
+            "yes" if cap["reserve_released"] else "NO",
+        ])
+    return rows
+
+
+def _pages(pages: Mapping[str, Any]) -> str:
+    if pages["min"] is None:
+        return "-"
+    return f"{pages['min']} (reserve {pages['reserve_pages_max']})"
+
+
+def format_capacity_table(arms: Sequence[Mapping[str, Any]]) -> str:
+    """The elastic-capacity table for the terminal; empty without a capacity schedule."""
+    rows = _capacity_rows(arms)
+    if not rows:
+        return ""
+    header = list(_CAPACITY_COLUMNS)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def capacity_markdown(document: Mapping[str, Any]) -> list[str]:
+    """The report's "Elastic capacity" section; no lines without a capacity schedule."""
+    schedule = document["settings"].get("capacity_schedule")
+    rows = _capacity_rows(document["arms"])
+    if not schedule or not rows:
+        return []
+    points = ", ".join(f"{p['blocks']} blocks from t={p['t']:g} s" for p in schedule["points"])
+    header = list(_CAPACITY_COLUMNS)
+    return [
+        "## Elastic capacity (kvcached semantics)",
+        "",
+        f"Schedule `{schedule['file']}`: {points} (t from the first arrival; "
+        f"{schedule['blocks_per_page']} blocks per page; capacity signals "
+        f"{'published' if schedule['signals'] else 'not published'} to the policy). A shrink "
+        "takes effect only as blocks free (no block a request holds is revoked); growth is "
+        "immediate.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * len(header)) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        "Columns: shrinks done = shrinks that reached their target / target decreases; "
+        "shrink time max = longest time from a decrease to its target; min capacity = "
+        "lowest usable blocks in force; free pages at shrink end = fewest pages whose blocks "
+        "were all free or reserved when a shrink reached its target (reserve = the reserve "
+        "in whole pages, what a page-perfect shrink frees); over target in shrink = most "
+        "blocks in use above the target while a shrink was pending; overcommit after shrink "
+        "= most blocks in use above the capacity once no shrink was pending (must be 0).",
+        "",
+    ]
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +229,7 @@ def markdown_report(document: Mapping[str, Any], speeds: Mapping[str, float]) ->
         "TTFT ≤ 2 s and TPOT ≤ 100 ms; calls/sel/abst = controller counters. Arms marked "
         "(reference) know the true output lengths: a reference line, not a bound.",
         "",
+        *capacity_markdown(document),
         "![TTFT CDF](ttft_cdf.png)",
         "",
         "![Recompute tax and P95 TTFT](bars.png)",

@@ -26,6 +26,11 @@ Cascade guard: when the best victim frees fewer blocks than the requester needs 
 host would go on to preempt more), and the requester's own U times ``cascade_gain_ratio``
 reaches the best U, the requester is chosen: preempting it ends the allocation loop at once.
 
+Elastic KV (kvcached): while ``kvcached_provider.signals.current_signals()`` reports a shrink
+in progress and the host supplies per-candidate ``pages_released``, U is multiplied by
+``1 + shrink_page_weight * pages_released``: only whole empty pages return memory during a
+shrink. With no signals (no kvcached, no simulated pool) or no facts, nothing changes.
+
 Decision cost: without host facts, a C-level ``min`` finds the least-lost candidate first;
 its exact U bounds which others can still win (``delta`` is at least ``base_cost +
 recompute_weight * k * computed``), and only those (usually a handful) are scored in
@@ -45,6 +50,7 @@ from bidkv_ext.contract import (
     PreemptionContextFacts,
 )
 from bidkv_ext.strategies.base import Candidates
+from kvcached_provider.signals import current_signals
 
 __all__ = ["UtilityParams", "UtilityStrategy"]
 
@@ -77,6 +83,7 @@ class UtilityParams:
     cascade_gain_ratio: float = 1.25
     prefill_chunk_tokens: int = 2048
     use_host_facts: bool = True
+    shrink_page_weight: float = 1.0
 
     @classmethod
     def from_config(cls, config: object | None) -> UtilityParams:
@@ -89,12 +96,13 @@ class UtilityParams:
 class UtilityStrategy:
     """``bidkv``: the candidate with the highest U = r / (delta + epsilon)."""
 
-    __slots__ = ("_lost_slope", "params")
+    __slots__ = ("_lost_slope", "_shrinking", "params")
 
     name = "bidkv"
 
     def __init__(self, params: UtilityParams | None = None) -> None:
         self.params = params or UtilityParams()
+        self._shrinking = False
         p = self.params
         # Lower bound of lost tokens per computed token, used to prune (see module doc).
         self._lost_slope = p.recompute_weight * (
@@ -120,6 +128,9 @@ class UtilityStrategy:
         requester = _at(candidates, context.requesting_request_id)
         builtin = _at(candidates, context.builtin_victim_id)
         need = self._needed_blocks(requester, facts)
+        # Page awareness needs the host's per-candidate page counts and a live shrink;
+        # without either the score is exactly the plain one.
+        self._shrinking = facts is not None and _capacity_shrinking()
         window = candidates
         if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
             window = self._prune(candidates, need, builtin, requester)
@@ -167,7 +178,12 @@ class UtilityStrategy:
             * (1.0 + p.completion_weight * horizon / (horizon + left))
             * (1.0 + (p.first_token_weight if candidate.num_output_tokens == 0 else 0.0))
         )
-        return useful / (delta + p.epsilon)
+        u = useful / (delta + p.epsilon)
+        if self._shrinking and fact is not None and fact.pages_released:
+            # During an elastic-KV shrink only whole empty pages return memory: favour
+            # victims whose blocks empty pages (kvcached-notes.md section 8).
+            u *= 1.0 + p.shrink_page_weight * fact.pages_released
+        return u
 
     def _argmax(
         self,
@@ -269,6 +285,11 @@ class UtilityStrategy:
             return 1  # decoding: at most one new block per step
         chunk = min(pending, self.params.prefill_chunk_tokens)
         return max(1, -(-chunk // self.params.block_size))
+
+
+def _capacity_shrinking() -> bool:
+    signals = current_signals()
+    return signals is not None and signals.in_shrink
 
 
 def _at(candidates: Candidates, request_id: str | None) -> PreemptionCandidate | None:

@@ -146,12 +146,28 @@ class PolicySchedulerMixin:
         tokens, minus the blocks it already holds, minus the pool's free blocks (cached
         free blocks count as free, as the allocator evicts them). Multi-group models and
         sliding-window frees are not modelled.
+
+        ``pages_released`` is filled only when a capacity-signals source with a page model
+        is registered (the replay's elastic pool): the pages on which every block held by a
+        running request (or the null block) is exclusive to the candidate, i.e. pages
+        whose blocks would all be free or reserved after preempting it. Cost: one more
+        pass over the same blocks, O(blocks of running requests).
         """
+        from kvcached_provider.signals import current_page_model
+
         manager = self.kv_cache_manager
         block_size = self.block_size
-        facts: dict[str, CandidateFacts] = {}
+        model = current_page_model()
+        per_page = model.blocks_per_page if model is not None else 0
+        counts: dict[str, tuple[int, int, int]] = {}
+        # Page model only: distinct request-held blocks per page, and per candidate the
+        # exclusive blocks per page.
+        held_on_page: dict[int, int] = {}
+        seen: set[int] = set()
+        exclusive_on_page: dict[str, dict[int, int]] = {}
         for r in self.running:
             exclusive = cached = total = 0
+            mine: dict[int, int] = {}
             for group in manager.get_blocks(r.request_id).blocks:
                 for block in group:
                     if block.is_null:
@@ -161,7 +177,28 @@ class PolicySchedulerMixin:
                         exclusive += 1
                         if block.block_hash is not None:
                             cached += 1
-            facts[r.request_id] = CandidateFacts(exclusive, cached, total)
+                    if per_page:
+                        block_id = block.block_id
+                        page = block_id // per_page
+                        if block.ref_cnt == 1:
+                            mine[page] = mine.get(page, 0) + 1
+                        if block_id not in seen:
+                            seen.add(block_id)
+                            held_on_page[page] = held_on_page.get(page, 0) + 1
+            counts[r.request_id] = (exclusive, cached, total)
+            exclusive_on_page[r.request_id] = mine
+        facts: dict[str, CandidateFacts] = {}
+        if per_page:
+            null_page = 0  # block 0, vLLM's null block, is always held
+            held_on_page[null_page] = held_on_page.get(null_page, 0) + 1
+            for rid, (exclusive, cached, total) in counts.items():
+                released = sum(
+                    1 for page, n in exclusive_on_page[rid].items() if held_on_page[page] == n
+                )
+                facts[rid] = CandidateFacts(exclusive, cached, total, released)
+        else:
+            for rid, (exclusive, cached, total) in counts.items():
+                facts[rid] = CandidateFacts(exclusive, cached, total)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
         tokens = request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens
         required = -(-tokens // block_size) - held
