@@ -78,17 +78,28 @@ def test_priority_policy_only_considers_the_least_urgent_class() -> None:
 
 
 def test_cascade_guard_takes_the_requester_only_when_a_cascade_would_follow() -> None:
-    # Prefilling requester: 2,000 tokens still to place -> it needs 125 blocks. The best
-    # other victim frees 113 (not enough), so the host would preempt again: with a ratio
-    # wide enough the guard takes the requester, which ends the loop.
+    # Prefilling requester: 4,500 tokens still to place, one 2,048-token chunk -> it needs
+    # 128 blocks. Nobody frees that many alone, so the host would preempt again after the
+    # best victim ("mid", 113 blocks): when the requester's U is within the ratio, the
+    # guard takes the requester, which ends the loop.
     cands = [cand("mid", computed=1800, output=5, prompt=1795),
-             cand("req", computed=4000, output=0, prompt=6000)]
+             cand("req", computed=1500, output=0, prompt=6000)]
+
     def pick(ratio: float) -> str | None:
         config = BidKVConfig(enabled=True, prefix_caching=False, cascade_gain_ratio=ratio)
         return BidkvPreemptionPolicy(config).select_victim(ctx(cands, requester="req"))
+
     assert pick(1.0) == "mid"
-    assert pick(1.25) == "mid"  # the requester's U is not within 1.25x of the best
-    assert pick(2.5) == "req"
+    assert pick(1.25) == "req"
+
+
+def test_a_victim_that_frees_the_shortfall_alone_is_preferred() -> None:
+    # Same requester (needs 128 blocks); "big" frees 150 blocks alone, "mid" only 113.
+    cands = [cand("mid", computed=1800, output=5, prompt=1795),
+             cand("big", computed=2400, output=5, prompt=2395),
+             cand("req", computed=1500, output=0, prompt=6000)]
+    config = BidKVConfig(enabled=True, prefix_caching=False, cascade_gain_ratio=1.0)
+    assert BidkvPreemptionPolicy(config).select_victim(ctx(cands, requester="req")) == "big"
 
 
 def test_cascade_guard_stays_out_when_one_victim_suffices() -> None:

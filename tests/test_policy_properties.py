@@ -68,7 +68,7 @@ def test_never_raises_always_a_candidate_and_deterministic(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(candidate, min_size=1, max_size=160),
+    st.lists(candidate, min_size=1, max_size=300),
     st.booleans(),
     st.floats(0.0, 1.0),
     st.floats(0.0, 3.0),
@@ -76,7 +76,8 @@ def test_never_raises_always_a_candidate_and_deterministic(
 def test_pruned_argmax_equals_scoring_everyone(
     cands: list[PreemptionCandidate], prefix: bool, survival: float, weight: float
 ) -> None:
-    """The bound-and-prune fast path picks a candidate with the same, maximal U."""
+    """The C-level fast path (sufficiency filter, anchors, bound-and-prune) picks a
+    candidate with the same, maximal U as scoring every candidate in Python."""
     strategy = UtilityStrategy(UtilityParams(
         prefix_caching=prefix, cache_survival=survival, preempt_weight=weight,
         cascade_gain_ratio=1.0,
@@ -87,7 +88,10 @@ def test_pruned_argmax_equals_scoring_everyone(
     context = PreemptionContext(tuple(cands), "fcfs", cands[0].request_id, 0.9, 1.0, None)
     need = strategy._needed_blocks(cands[0], None)
     chosen = strategy.choose(context.candidates, context, None)
-    scores = [strategy.utility(c, need) for c in cands]
+    # The documented rule: the highest U among the candidates that free the shortfall on
+    # their own, or among all when none does.
+    sufficient = [c for c in cands if -(-c.num_computed_tokens // 16) >= need]
+    scores = [strategy.utility(c, need) for c in (sufficient or cands)]
     best = max(scores)
     if best <= 0.0:
         assert chosen is None

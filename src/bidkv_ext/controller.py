@@ -183,10 +183,18 @@ class PolicyController:
             stats.abstentions += 1
             return builtin_victim_id(context)
         if type(result) is str:
-            index = _index_of(context.candidates, result)
+            candidates = context.candidates
+            # A cooperative policy says where its victim sits; one comparison proves it.
+            hint = getattr(policy, "victim_index_hint", -1)
+            if type(hint) is int and 0 <= hint < len(candidates):
+                found = candidates[hint].request_id
+                if found == result:
+                    stats.selections += 1
+                    return found
+            index = _index_of(candidates, result)
             if index >= 0:
                 stats.selections += 1
-                return context.candidates[index].request_id
+                return candidates[index].request_id
         stats.invalid_selections += 1
         self._disable(f"returned unknown request ID {_safe_repr(result)}")
         return builtin_victim_id(context)

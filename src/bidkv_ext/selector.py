@@ -34,7 +34,15 @@ class BidkvPreemptionPolicy:
 
     vllm_preemption_policy_api_version = 1
 
-    __slots__ = ("_active", "_guard", "_strategy", "barrier_decisions", "config", "registry")
+    __slots__ = (
+        "_active",
+        "_guard",
+        "_strategy",
+        "barrier_decisions",
+        "config",
+        "registry",
+        "victim_index_hint",
+    )
 
     def __init__(
         self,
@@ -48,6 +56,7 @@ class BidkvPreemptionPolicy:
         self._guard = LivenessGuard(self.config.liveness_preemptions)
         self._active = self.config.is_active
         self.barrier_decisions = 0
+        self.victim_index_hint = -1
 
     @classmethod
     def from_vllm_config(cls, vllm_config: object) -> BidkvPreemptionPolicy:
@@ -84,6 +93,7 @@ class BidkvPreemptionPolicy:
         candidates = context.candidates
         guard = self._guard
         choice = self._strategy.choose(candidates, context, facts)
+        direct = True
         if choice is not None and not guard.allows(choice):
             # Rare path: the favourite spent its budget in this epoch. Choosing among the
             # eligible candidates is the same as choosing among all when the favourite is
@@ -93,8 +103,12 @@ class BidkvPreemptionPolicy:
                 self._barrier(context)
                 return None
             choice = self._strategy.choose(verdict.eligible, context, facts)
+            direct = verdict.eligible is candidates
         if choice is None:
             return None
+        # Where the victim sits in context.candidates, when the strategy knows it cheaply:
+        # lets PolicyController validate the answer in O(1) instead of a scan.
+        self.victim_index_hint = getattr(self._strategy, "last_index", -1) if direct else -1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "bidkv victim=%s requester=%s", choice.request_id, context.requesting_request_id

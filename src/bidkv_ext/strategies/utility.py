@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, ge, indexOf
+from operator import attrgetter, ge, indexOf, le
 
 from bidkv_ext.contract import (
     CandidateFacts,
@@ -96,13 +96,14 @@ class UtilityParams:
 class UtilityStrategy:
     """``bidkv``: the candidate with the highest U = r / (delta + epsilon)."""
 
-    __slots__ = ("_lost_slope", "_shrinking", "params")
+    __slots__ = ("_lost_slope", "_shrinking", "last_index", "params")
 
     name = "bidkv"
 
     def __init__(self, params: UtilityParams | None = None) -> None:
         self.params = params or UtilityParams()
         self._shrinking = False
+        self.last_index = -1
         p = self.params
         # Lower bound of lost tokens per computed token, used to prune (see module doc).
         self._lost_slope = p.recompute_weight * (
@@ -121,23 +122,37 @@ class UtilityStrategy:
     ) -> PreemptionCandidate | None:
         if not candidates:
             return None
+        given = candidates
         if context.scheduling_policy == "priority":
             candidates = _least_urgent(candidates)
         if facts is not None and not self.params.use_host_facts:
             facts = None
-        requester = _at(candidates, context.requesting_request_id)
-        builtin = _at(candidates, context.builtin_victim_id)
+        # Positions found along the way (by object identity), so that reporting where the
+        # victim sits rarely needs another scan.
+        tail = candidates[-1]
+        known = {id(tail): len(candidates) - 1}
+        requester = _locate(candidates, context.requesting_request_id, known)
+        builtin_id = context.builtin_victim_id
+        builtin = tail if tail.request_id == builtin_id else _locate(candidates, builtin_id, known)
         need = self._needed_blocks(requester, facts)
         # Page awareness needs the host's per-candidate page counts and a live shrink;
         # without either the score is exactly the plain one.
         self._shrinking = facts is not None and _capacity_shrinking()
-        window = candidates
-        if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
-            window = self._prune(candidates, need, builtin, requester)
+        window = self._sufficient(candidates, need, facts)
+        if facts is None and len(window) >= _PRUNE_FROM and self._lost_slope > 0.0:
+            window = self._prune(window, need, known, builtin, requester)
         best = self._argmax(window, builtin, facts, need)
-        if best is None:
-            return None
-        return self._cascade_guard(best, requester, facts, need)
+        if best is not None:
+            best = self._cascade_guard(best, requester, facts, need)
+        # Its position in the tuple we were given (see BidkvPreemptionPolicy).
+        if best is None or candidates is not given:
+            self.last_index = -1
+        else:
+            index = known.get(id(best))
+            if index is None:
+                index = indexOf(map(_request_id, candidates), best.request_id)
+            self.last_index = index
+        return best
 
     # -- scoring -----------------------------------------------------------------------
 
@@ -205,10 +220,31 @@ class UtilityStrategy:
             return None  # nobody frees anything: let the host decide
         return best
 
+    def _sufficient(
+        self, candidates: Candidates, need: int, facts: PreemptionContextFacts | None
+    ) -> Candidates:
+        """The candidates that alone free the ``need`` blocks, or all when none does.
+
+        Preferring them avoids a cascade of victims (the host preempts until allocation
+        succeeds); among them U ranks by disruption alone. A decoding requester needs one
+        block, so then every candidate that holds a block qualifies.
+        """
+        if need <= 1:
+            return candidates
+        if facts is None:
+            enough = self.params.block_size * (need - 1) + 1
+            chosen = tuple(compress(
+                candidates, map(le, repeat(enough), map(_computed, candidates))
+            ))
+        else:
+            chosen = tuple(c for c in candidates if self._freed_blocks(c, facts) >= need)
+        return chosen or candidates
+
     def _prune(
         self,
         candidates: Candidates,
         need: int,
+        known: dict[int, int],
         *anchors: PreemptionCandidate | None,
     ) -> Candidates:
         # Every step below is one C-level pass over the candidates (no Python-level loop):
@@ -217,6 +253,7 @@ class UtilityStrategy:
         least = min(computed)
         at = computed.index(least)
         lcf = candidates[at]
+        known[id(lcf)] = at
         # The best exact U among the anchors is a floor the winner must reach.
         u0 = max(self.utility(a, need) for a in (lcf, *anchors) if a is not None)
         if u0 <= 0.0:
@@ -240,8 +277,21 @@ class UtilityStrategy:
     def _within(
         self, candidates: Candidates, computed: list[int], need: int, u0: float
     ) -> Candidates:
-        limit = self._limit(need, u0)
-        return tuple(compress(candidates, map(ge, repeat(limit), computed)))
+        window = tuple(compress(candidates, map(ge, repeat(self._limit(need, u0)), computed)))
+        floor = self._floor(u0)
+        if floor > 0.0 and len(window) > _REFINE_ABOVE:
+            # Small candidates free fewer blocks than a prefilling requester needs:
+            # U_i <= (computed_i / block_size + 1) / (base + slope * computed_i).
+            window = tuple(compress(window, map(le, repeat(floor), map(_computed, window))))
+        return window
+
+    def _floor(self, u0: float) -> float:
+        # Solves (c / bs + 1) / (base + slope * c) = u0 for c: below it U_i < u0.
+        p = self.params
+        denominator = 1.0 / p.block_size - u0 * self._lost_slope
+        if denominator <= 0.0:
+            return 0.0
+        return (u0 * (p.base_cost + p.epsilon) - 1.0) / denominator
 
     def _limit(self, need: int, u0: float) -> float:
         # U_i <= need / (base + slope * computed_i): only computed_i <= limit can reach u0.
@@ -292,17 +342,21 @@ def _capacity_shrinking() -> bool:
     return signals is not None and signals.in_shrink
 
 
-def _at(candidates: Candidates, request_id: str | None) -> PreemptionCandidate | None:
-    """The candidate with ``request_id``, or None; the tail (the FCFS victim) is tried first."""
+def _locate(
+    candidates: Candidates, request_id: str | None, known: dict[int, int]
+) -> PreemptionCandidate | None:
+    """The candidate with ``request_id`` (recording its position in ``known``), or None."""
     if request_id is None:
         return None
-    if candidates[-1].request_id == request_id:
-        return candidates[-1]
     try:
-        # A C-level scan: a Python loop over 1024 candidates costs more than the decision.
-        return candidates[indexOf(map(_request_id, candidates), request_id)]
+        # C-level and stops at the match: a Python loop over 1024 candidates would cost
+        # more than the whole decision.
+        index = indexOf(map(_request_id, candidates), request_id)
     except ValueError:
         return None
+    candidate = candidates[index]
+    known[id(candidate)] = index
+    return candidate
 
 
 def _least_urgent(candidates: Candidates) -> Candidates:
