@@ -3,10 +3,13 @@ vLLM 0.33.0 scheduler (``bidkv-replay`` in-process: vLLM is imported once).
 
     .venv/bin/python benchmarks/replay/run.py comparison [--traces DIR] [--cells a,b]
     .venv/bin/python benchmarks/replay/run.py ablation   [--traces DIR] [--cells a,b]
+    .venv/bin/python benchmarks/replay/run.py pressure   [--traces DIR] [--cells a,b]
 
 ``comparison`` runs every cell with the peers (builtin, least-computed-first), BidKV with
 and without host facts, the reference BidKV 0.2.1 rule and the clairvoyant reference, and
 checks issue 8's goals per cell. ``ablation`` switches BidKV's terms and guards on and off.
+``pressure`` runs each trace at no / moderate / heavy KV pressure (and reports the replay's
+own speed in simulated seconds per wall second).
 Each suite writes its tables between its markers in ``benchmarks/replay/README.md``.
 
 Traces default to ``../shared/traces`` beside the repository. Every cell is a fixed window
@@ -65,7 +68,22 @@ ABLATION = (
     "bidkv{cache_survival=0.9},"
     "bidkv{completion_weight=0}"
 )
-SUITES = {"comparison": COMPARISON, "ablation": ABLATION}
+PRESSURE = "builtin,least-computed-first,bidkv,clairvoyant"
+# Issue 5's grid: each trace at no / moderate / heavy KV pressure (prefix caching on).
+PRESSURE_CELLS = tuple(
+    Cell(f"{name}-{level}", trace, (*knobs, "--num-gpu-blocks", str(blocks)))
+    for name, trace, knobs, budgets in (
+        ("conv", CONV, ("--duration", "300"), (("none", 8192), ("moderate", 1200),
+                                                ("heavy", 600))),
+        ("code", CODE, ("--duration", "300", "--rate-scale", "4"),
+         (("none", 8192), ("moderate", 1000), ("heavy", 600))),
+        ("mooncake", MOON, ("--duration", "300", "--rate-scale", "0.25"),
+         (("none", 16384), ("moderate", 3000), ("heavy", 2000))),
+    )
+    for level, blocks in budgets
+)
+SUITES = {"comparison": COMPARISON, "ablation": ABLATION, "pressure": PRESSURE}
+SUITE_CELLS = {"comparison": CELLS, "ablation": CELLS, "pressure": PRESSURE_CELLS}
 
 
 def _pct(x: float) -> str:
@@ -165,7 +183,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     wanted = set(args.cells.split(",")) if args.cells else None
-    cells = [c for c in CELLS if wanted is None or c.name in wanted]
+    cells = [c for c in SUITE_CELLS[args.suite] if wanted is None or c.name in wanted]
     if not cells:
         parser.error(f"--cells: none of {sorted(wanted or ())} is a cell name")
     text = run_suite(args.suite, args.traces, cells, args.out)

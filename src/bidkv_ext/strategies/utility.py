@@ -2,39 +2,51 @@
 
 ``r`` is the KV a preemption frees *that the requester can use*, and ``delta`` estimates the
 disruption it causes. Unlike the reference (r = computed tokens, delta in [1, 1.8], which
-ranks almost exactly like largest-first), both terms here are in the units that matter:
+ranks almost exactly like largest-first), both terms here are in the units that matter
+(design and measurements: docs/policy.md):
 
 - ``r = min(blocks freed, blocks needed)``: blocks beyond the shortfall buy nothing now and
   are recompute later. Blocks freed are the host's exclusive-block count when it supplies
   facts, else ``ceil(num_computed_tokens / block_size)``. The shortfall is the host's
-  ``needed_blocks``, else one block for a decoding requester and a prefill chunk otherwise.
+  ``needed_blocks``, else one block for a decoding requester and one prefill chunk's worth
+  otherwise. When some candidates free the shortfall alone, only they are ranked: the host
+  preempts until allocation succeeds, so an insufficient victim starts a cascade.
 - ``delta = (base_cost + recompute_weight * lost) * (1 + preempt_weight * P)
   * (1 + completion_weight * H / (H + remaining)) * (1 + first_token_weight * [no output])``
 
-  ``lost`` is the prefill the victim must redo when it returns: all its computed tokens
-  without prefix caching; with prefix caching only what will not come back as cache hits
-  (the partial last block, plus the share ``1 - cache_survival`` of its full blocks, or the
-  host's exact count of hashed exclusive blocks). ``remaining`` (``max_tokens -
-  num_output_tokens``) protects nearly finished requests, which free their KV soon anyway;
-  ``P`` (prior preemptions) protects requests that were already disrupted.
+  ``lost`` is the prefill the victim must redo when it returns. Without prefix caching that
+  is all its computed tokens. With prefix caching, blocks it shares with other running
+  requests stay held and come back as certain hits (host facts), and the share
+  ``cache_survival`` of its own full hashed blocks is assumed to survive in the evictable
+  queue (default 0: under pressure the requester and its neighbours consume the freed
+  blocks first; the ablation in benchmarks/replay/README.md measures other values).
+  ``base_cost`` is the fixed price of any preemption (re-queueing, a blocked admission
+  step), so a near-empty victim is not free. ``remaining`` (``max_tokens -
+  num_output_tokens``) protects requests close to their cap, which free their KV soon
+  anyway; ``P`` (prior preemptions) can protect requests already disrupted (off by
+  default; the liveness guard bounds repeats instead).
 
 Ties go to the host's built-in victim, then to the newest request. Under the ``priority``
 scheduling policy only the least urgent priority class is eligible, so the policy never
 overrides the operator's priorities.
 
-Cascade guard: when the best victim frees fewer blocks than the requester needs (so the
-host would go on to preempt more), and the requester's own U times ``cascade_gain_ratio``
-reaches the best U, the requester is chosen: preempting it ends the allocation loop at once.
+Cascade guard: when even the best victim frees fewer blocks than the requester needs (so
+the host would go on to preempt more), and the requester's own U times
+``cascade_gain_ratio`` reaches the best U, the requester is chosen: preempting it ends the
+allocation loop at once.
 
 Elastic KV (kvcached): while ``kvcached_provider.signals.current_signals()`` reports a shrink
 in progress and the host supplies per-candidate ``pages_released``, U is multiplied by
 ``1 + shrink_page_weight * pages_released``: only whole empty pages return memory during a
 shrink. With no signals (no kvcached, no simulated pool) or no facts, nothing changes.
 
-Decision cost: without host facts, a C-level ``min`` finds the least-lost candidate first;
-its exact U bounds which others can still win (``delta`` is at least ``base_cost +
-recompute_weight * k * computed``), and only those (usually a handful) are scored in
-Python. The result is identical to scoring everyone.
+Decision cost (contract path, no host facts): every pass over the candidates is C-level
+(``map``/``attrgetter``/``min``/``compress``); a Python loop over 1024 candidates would cost
+more than vLLM's own victim scan. The least computed candidate, the built-in victim and the
+requester are scored exactly; since ``delta >= base_cost + slope * computed``, the best of
+them bounds which candidates can still win, and only those (usually none besides the
+anchors) are scored in Python. The result is identical to scoring everyone (a property test
+checks it).
 """
 
 from __future__ import annotations
