@@ -145,19 +145,8 @@ def run_replay_arm(
     if rc != 0 or not report.is_file():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
         why = "timed out" if rc is None else f"exit {rc}"
-        return ArmResult(
-            arm=arm,
-            throughput=0.0,
-            ttft_p50=float("nan"),
-            ttft_p95=float("nan"),
-            latency_p50=float("nan"),
-            latency_p95=float("nan"),
-            requests=0,
-            completed=0,
-            started=False,
-            error=f"bidkv-replay {why}: {' '.join(tail)}",
-            wall_s=wall,
-            command=tuple(argv),
+        return ArmResult.not_started(
+            arm, f"bidkv-replay {why}: {' '.join(tail)}", wall_s=wall, command=tuple(argv)
         )
     doc = json.loads(report.read_text(encoding="utf-8"))
     return arm_from_report(arm, doc, argv, wall)

@@ -224,17 +224,9 @@ class ServeArm:
         log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
         log_enabled, log_name = enabled_from_log(log_text)
         if load is None:
-            return ArmResult(
-                arm=arm,
-                throughput=0.0,
-                ttft_p50=float("nan"),
-                ttft_p95=float("nan"),
-                latency_p50=float("nan"),
-                latency_p95=float("nan"),
-                requests=0,
-                completed=0,
-                started=False,
-                error="server did not become healthy",
+            return ArmResult.not_started(
+                arm,
+                "server did not become healthy",
                 wall_s=wall,
                 command=tuple(argv),
                 tracebacks=log_text.count(_TRACEBACK),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from qualification.stats import DeltaSummary, paired_delta, summarize_deltas
 
@@ -73,6 +73,18 @@ class ArmResult:
     wall_s: float = 0.0
     command: tuple[str, ...] = ()
     extra: Mapping[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def not_started(
+        cls, arm: Arm, error: str, *, wall_s: float, command: tuple[str, ...], **extra: Any
+    ) -> ArmResult:
+        """An arm whose workload never ran (launch failure, timeout, unhealthy server)."""
+        nan = float("nan")
+        return cls(
+            arm=arm, throughput=0.0, ttft_p50=nan, ttft_p95=nan, latency_p50=nan,
+            latency_p95=nan, requests=0, completed=0, started=False, error=error,
+            wall_s=wall_s, command=command, **extra,
+        )
 
     @property
     def calls(self) -> int:

@@ -66,23 +66,6 @@ SUPPORTED_VERSIONS: dict[str, SupportedHost] = {
     ),
 }
 
-# Local names of Scheduler.schedule that the rewritten statements rely on.
-_REQUIRED_NAMES = (
-    "request",
-    "scheduled_timestamp",
-    "num_new_tokens",
-    "req_index",
-    "scheduled_running_reqs",
-    "num_scheduled_tokens",
-    "token_budget",
-    "input_budget",
-    "draft_slots",
-    "req_to_new_blocks",
-    "scheduled_spec_decode_tokens",
-    "scheduled_encoder_inputs",
-    "encoder_compute_budget",
-    "preempted_reqs",
-)
 # Names the PRIORITY removal body must touch (its rollback), checked on that body alone.
 _ROLLBACK_NAMES = (
     "req_index",
@@ -95,6 +78,14 @@ _ROLLBACK_NAMES = (
     "scheduled_spec_decode_tokens",
     "scheduled_encoder_inputs",
     "encoder_compute_budget",
+)
+# Local names of Scheduler.schedule that the rewritten statements rely on.
+_REQUIRED_NAMES = (
+    "request",
+    "scheduled_timestamp",
+    "num_new_tokens",
+    *_ROLLBACK_NAMES,
+    "preempted_reqs",
 )
 
 
