@@ -23,9 +23,10 @@ from typing import Any
 import jsonschema
 import pytest
 from hust_ext_manager import manifest as manifest_module
-from hust_ext_manager.cli import main
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from tests.manager_helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BIDKV_MANIFEST = ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json"
@@ -67,15 +68,6 @@ def base_manifest() -> dict[str, Any]:
     document: dict[str, Any] = json.loads(BIDKV_MANIFEST.read_text())
     document["extension_id"] = TEST_ID
     return document
-
-
-def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = int(stop.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

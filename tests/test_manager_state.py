@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hust_ext_manager.cli import main
 from hust_ext_manager.state import load_state, parse_state
+
+from tests.manager_helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
@@ -39,15 +40,6 @@ def write_bundles(site: Path, ids: list[str]) -> None:
         record.append(f"{relative},,\n")
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     (info / "RECORD").write_text("".join(record))
-
-
-def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = int(stop.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

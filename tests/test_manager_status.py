@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 from hust_ext_manager import runtime_evidence
-from hust_ext_manager.cli import main
 
 from bidkv_ext.evidence import evidence_line, evidence_sink_from_env
+from tests.manager_helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -51,15 +51,6 @@ def install(
     lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     (info / "RECORD").write_text("".join(record))
-
-
-def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = int(stop.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
