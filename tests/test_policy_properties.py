@@ -98,3 +98,43 @@ def test_pruned_argmax_equals_scoring_everyone(
     else:
         assert chosen is not None
         assert strategy.utility(chosen, need) == best
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(candidate, min_size=1, max_size=200), st.integers(0, 199))
+def test_position_hint_always_names_the_victim(
+    cands: list[PreemptionCandidate], requester: int
+) -> None:
+    """The hint lets the controller skip its scan, so it must never point elsewhere."""
+    cands = [PreemptionCandidate(str(i), *(getattr(c, f) for f in c.__slots__[1:]))
+             for i, c in enumerate(cands)]
+    rid = cands[requester % len(cands)].request_id
+    context = PreemptionContext(tuple(cands), "fcfs", rid, 0.9, 1.0, cands[-1].request_id)
+    # Guards off: the liveness guard may rightly exclude the sufficient candidates.
+    config = BidKVConfig(enabled=True, cascade_gain_ratio=1.0, liveness_preemptions=0)
+    policy = BidkvPreemptionPolicy(config)
+    chosen = policy.select_victim(context)
+    hint = policy.victim_index_hint
+    if chosen is not None and hint != -1:
+        assert context.candidates[hint].request_id == chosen
+    # With a built-in victim given, the ranked set is still the sufficient one.
+    strategy = policy.strategy
+    assert isinstance(strategy, UtilityStrategy)
+    need = strategy._needed_blocks(context.candidates[requester % len(cands)], None)
+    sufficient = [c for c in cands if -(-c.num_computed_tokens // 16) >= need]
+    if chosen is not None and sufficient:
+        assert any(c.request_id == chosen for c in sufficient)
+
+
+def test_position_hint_after_the_sufficiency_filter() -> None:
+    """Regression: an index found inside the filtered window is not a tuple position."""
+    small = [PreemptionCandidate(f"s{i}", 0, float(i), 100, 5, 100, 0, 4096) for i in range(60)]
+    large = [PreemptionCandidate(f"l{i}", 0, 100.0 + i, 3000, 5, 3000 + i, 0, 4096)
+             for i in range(60)]
+    requester = PreemptionCandidate("req", 0, 500.0, 6000, 0, 1000, 0, 4096)
+    cands = (*small, *large, requester)
+    context = PreemptionContext(cands, "fcfs", "req", 0.9, 1.0, "req")
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
+    chosen = policy.select_victim(context)
+    assert chosen == "l0"  # the least computed of those that free 128 blocks alone
+    assert cands[policy.victim_index_hint].request_id == "l0"

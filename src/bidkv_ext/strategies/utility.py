@@ -151,8 +151,15 @@ class UtilityStrategy:
         # without either the score is exactly the plain one.
         self._shrinking = facts is not None and _capacity_shrinking()
         window = self._sufficient(candidates, need, facts)
+        ranked_requester = requester
+        if window is not candidates:
+            # Outside the ranked set a candidate may not win, not even a tie.
+            builtin = self._if_sufficient(builtin, need, facts)
+            ranked_requester = self._if_sufficient(requester, need, facts)
         if facts is None and len(window) >= _PRUNE_FROM and self._lost_slope > 0.0:
-            window = self._prune(window, need, known, builtin, requester)
+            # Positions found inside a filtered window are not positions in `candidates`.
+            where = known if window is candidates else {}
+            window = self._prune(window, need, where, builtin, ranked_requester)
         best = self._argmax(window, builtin, facts, need)
         if best is not None:
             best = self._cascade_guard(best, requester, facts, need)
@@ -251,6 +258,16 @@ class UtilityStrategy:
         else:
             chosen = tuple(c for c in candidates if self._freed_blocks(c, facts) >= need)
         return chosen or candidates
+
+    def _if_sufficient(
+        self,
+        candidate: PreemptionCandidate | None,
+        need: int,
+        facts: PreemptionContextFacts | None,
+    ) -> PreemptionCandidate | None:
+        if candidate is None or self._freed_blocks(candidate, facts) < need:
+            return None
+        return candidate
 
     def _prune(
         self,
