@@ -32,8 +32,9 @@ untouched. The fields are:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, indexOf
 from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "PreemptionPolicy",
     "PreemptionPolicyStats",
     "PreemptionSchedulingPolicy",
+    "candidate_index",
 ]
 
 PREEMPTION_POLICY_API_VERSION = "1.0"
@@ -115,3 +117,18 @@ class PreemptionContextFacts:
     block_size: int
     needed_blocks: int
     facts: Mapping[str, CandidateFacts] = field(default_factory=dict)
+
+
+_request_id = attrgetter("request_id")
+
+
+def candidate_index(candidates: Sequence[object], request_id: object) -> int:
+    """Position of ``request_id`` among the candidates, or -1.
+
+    A C-level scan that stops at the match and allocates nothing: a Python loop over 1024
+    candidates would cost more than a whole victim decision.
+    """
+    try:
+        return indexOf(map(_request_id, candidates), request_id)
+    except ValueError:
+        return -1

@@ -15,7 +15,6 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
-from operator import attrgetter, indexOf
 from typing import Any
 
 from bidkv_ext.contract import (
@@ -23,6 +22,7 @@ from bidkv_ext.contract import (
     PreemptionContextFacts,
     PreemptionPolicy,
     PreemptionPolicyStats,
+    candidate_index,
 )
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
 
 logger = logging.getLogger("bidkv_ext.controller")
 
-_request_id = attrgetter("request_id")
 _NOT_A_POLICY = "preemption_policy must resolve to an object implementing PreemptionPolicy"
 _WRONG_THREAD = "PreemptionPolicyController must be used by its scheduler thread"
 
@@ -52,20 +51,12 @@ def builtin_victim_id(context: PreemptionContext) -> str:
         raise ValueError("cannot select a preemption victim from an empty set")
     hinted = context.builtin_victim_id
     if hinted is not None:
-        index = _index_of(candidates, hinted)
+        index = candidate_index(candidates, hinted)
         if index >= 0:
             return candidates[index].request_id
     if context.scheduling_policy == "priority":
         return max(candidates, key=lambda c: (c.priority, c.arrival_time)).request_id
     return candidates[-1].request_id
-
-
-def _index_of(candidates: tuple[Any, ...], request_id: str) -> int:
-    """Position of ``request_id`` among the candidates, or -1; a C-level scan, no allocation."""
-    try:
-        return indexOf(map(_request_id, candidates), request_id)
-    except ValueError:
-        return -1
 
 
 def policy_name_of(policy: object) -> str:
@@ -191,7 +182,7 @@ class PolicyController:
                 if found == result:
                     stats.selections += 1
                     return found
-            index = _index_of(candidates, result)
+            index = candidate_index(candidates, result)
             if index >= 0:
                 stats.selections += 1
                 return candidates[index].request_id

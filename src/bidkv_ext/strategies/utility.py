@@ -53,13 +53,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, ge, indexOf, le
+from operator import attrgetter, ge, le
 
 from bidkv_ext.contract import (
     CandidateFacts,
     PreemptionCandidate,
     PreemptionContext,
     PreemptionContextFacts,
+    candidate_index,
 )
 from bidkv_ext.strategies.base import Candidates
 from kvcached_provider.signals import current_signals
@@ -68,7 +69,6 @@ __all__ = ["UtilityParams", "UtilityStrategy"]
 
 _computed = attrgetter("num_computed_tokens")
 _priority = attrgetter("priority")
-_request_id = attrgetter("request_id")
 _preempted_computed = attrgetter("num_preemptions", "num_computed_tokens")
 # Below this many candidates the bound-and-prune pass costs more than it saves.
 _PRUNE_FROM = 48
@@ -169,7 +169,7 @@ class UtilityStrategy:
         else:
             index = known.get(id(best))
             if index is None:
-                index = indexOf(map(_request_id, candidates), best.request_id)
+                index = candidate_index(candidates, best.request_id)
             self.last_index = index
         return best
 
@@ -377,11 +377,8 @@ def _locate(
     """The candidate with ``request_id`` (recording its position in ``known``), or None."""
     if request_id is None:
         return None
-    try:
-        # C-level and stops at the match: a Python loop over 1024 candidates would cost
-        # more than the whole decision.
-        index = indexOf(map(_request_id, candidates), request_id)
-    except ValueError:
+    index = candidate_index(candidates, request_id)
+    if index < 0:
         return None
     candidate = candidates[index]
     known[id(candidate)] = index
