@@ -171,25 +171,25 @@ def _enable(bundle_id: str) -> None:
     if blocker is not None:
         raise ValueError(f"cannot enable {bundle_id!r}: {blocker}")
 
-    def change(state: State) -> State:
-        return state.with_entry(
-            bundle_id,
-            ExtensionState(enabled=True, configuration=state.configuration(bundle_id)),
-        )
-
-    mutate_state(change)
+    _set_enabled(bundle_id, True)
     print(f"enabled {bundle_id}")
 
 
 def _disable(bundle_id: str) -> None:
+    _set_enabled(bundle_id, False)
+    print(f"disabled {bundle_id}")
+
+
+def _set_enabled(bundle_id: str, enabled: bool) -> None:
+    """Store the enabled flag, keeping the bundle's configuration (under the state lock)."""
+
     def change(state: State) -> State:
         return state.with_entry(
             bundle_id,
-            ExtensionState(enabled=False, configuration=state.configuration(bundle_id)),
+            ExtensionState(enabled=enabled, configuration=state.configuration(bundle_id)),
         )
 
     mutate_state(change)
-    print(f"disabled {bundle_id}")
 
 
 def _forget(bundle_id: str) -> None:
