@@ -106,3 +106,17 @@ def test_policy_accepts_foreign_objects_by_attribute() -> None:
     policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True))
     chosen = policy.select_victim(HostContext(cands, "fcfs", "2", 0.9, 1.0, "2"))  # type: ignore[arg-type]
     assert chosen in {"0", "1", "2"}
+
+
+def test_candidate_index_finds_every_position_and_reports_absence() -> None:
+    """candidate_index (used by the controller's validation and the built-in victim) must
+    return the true position for the head, middle and tail (the tail has its own fast
+    path) and -1 for an unknown id or no candidates."""
+    from bidkv_ext.contract import candidate_index
+
+    cands = [PreemptionCandidate(f"r{i}", 0, float(i), 10, 1, 11, 0, 100) for i in range(7)]
+    for i in range(7):
+        assert candidate_index(cands, f"r{i}") == i
+    assert candidate_index(cands, "r7") == -1
+    assert candidate_index(cands, 3) == -1  # not a str: never equal to an id
+    assert candidate_index([], "r0") == -1

@@ -4,12 +4,15 @@ vLLM 0.33.0 scheduler (``bidkv-replay`` in-process: vLLM is imported once).
     .venv/bin/python benchmarks/replay/run.py comparison [--traces DIR] [--cells a,b]
     .venv/bin/python benchmarks/replay/run.py ablation   [--traces DIR] [--cells a,b]
     .venv/bin/python benchmarks/replay/run.py pressure   [--traces DIR] [--cells a,b]
+    .venv/bin/python benchmarks/replay/run.py slices     [--traces DIR] [--cells a,b]
 
 ``comparison`` runs every cell with the peers (builtin, least-computed-first), BidKV with
 and without host facts, the reference BidKV 0.2.1 rule and the clairvoyant reference, and
 checks issue 8's goals per cell. ``ablation`` switches BidKV's terms and guards on and off.
 ``pressure`` runs each trace at no / moderate / heavy KV pressure (and reports the replay's
-own speed in simulated seconds per wall second).
+own speed in simulated seconds per wall second). ``slices`` replays the Azure conversation
+cells over five 300 s slices of the trace (evaluation.md section 5) and reports medians,
+paired ratios to the peers with bootstrap 95 % intervals, and issue 8's goals on the medians.
 Each suite writes its tables between its markers in ``benchmarks/replay/README.md``.
 
 Traces default to ``../shared/traces`` beside the repository. Every cell is a fixed window
@@ -20,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +88,17 @@ PRESSURE_CELLS = tuple(
     )
     for level, blocks in budgets
 )
-SUITES = {"comparison": COMPARISON, "ablation": ABLATION, "pressure": PRESSURE}
-SUITE_CELLS = {"comparison": CELLS, "ablation": CELLS, "pressure": PRESSURE_CELLS}
+SLICES = ("builtin,least-computed-first,bidkv,bidkv{liveness_preemptions=0},"
+          "bidkv-0.2.1,clairvoyant")
+# Five disjoint 300 s slices of the 3,502 s Azure conversation trace.
+SLICE_STARTS = (0, 700, 1400, 2100, 2800)
+SLICE_CELLS = tuple(c for c in CELLS if c.trace == CONV)
+SUITES = {"comparison": COMPARISON, "ablation": ABLATION, "pressure": PRESSURE,
+          "slices": SLICES}
+SUITE_CELLS = {"comparison": CELLS, "ablation": CELLS, "pressure": PRESSURE_CELLS,
+               "slices": SLICE_CELLS}
+LCF, BIDKV, BUILTIN = "least-computed-first", "bidkv", "builtin"
+ORACLE = "clairvoyant (reference)"
 
 
 def _pct(x: float) -> str:
@@ -162,6 +177,141 @@ def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> st
     return text + f"\nTotal wall time: {took:.0f} s.\n"
 
 
+def _replay_slice(job: tuple[str, Path, Cell, int, Path, bool]) -> dict[str, dict[str, Any]]:
+    """One cell on one slice (runs in a worker process); returns the arms by label.
+    With ``reuse`` a report already in the output folder is read instead of replaying."""
+    suite, traces, cell, start, out_root, reuse = job
+    out = out_root / f"{suite}-{cell.name}-{start}"
+    if reuse and (out / "report.json").is_file():
+        report = json.loads((out / "report.json").read_text())
+        return {arm["label"]: arm for arm in report["arms"]}
+    argv = ["--trace", str(traces / cell.trace), *cell.args, "--start", str(start),
+            "--policies", SUITES[suite], "--no-progress", "--no-plots", "--output-dir", str(out)]
+    if replay_main(argv) != 0:
+        raise SystemExit(f"run.py: replay failed for {cell.name} at start {start}")
+    report = json.loads((out / "report.json").read_text())
+    return {arm["label"]: arm for arm in report["arms"]}
+
+
+def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median (seeded: reruns print the same)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    data = np.asarray(values)
+    medians = np.median(rng.choice(data, size=(resamples, data.size)), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def _ratio(runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, peer: str) -> str:
+    """Median and bootstrap interval of the per-slice ratio arm / peer (paired by slice)."""
+    values = [_metric(r[arm], metric) / _metric(r[peer], metric) for r in runs]
+    low, high = _bootstrap_median(values)
+    return f"{statistics.median(values):.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _metric(arm: dict[str, Any], metric: str) -> float:
+    return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
+
+
+def _median(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
+    return statistics.median(
+        _metric(r[label], key) if key in ("tax", "p95") else float(r[label][key]) for r in runs)
+
+
+def _slice_rows(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> list[str]:
+    rows = []
+    for label in runs[0]:
+        tax, p95 = _median(runs, label, "tax"), _median(runs, label, "p95")
+        tps = _median(runs, label, "throughput_output_tok_s")
+        worst = max(int(r[label]["max_preemptions_one_request"]) for r in runs)
+        vs = ("" if label in (LCF, BUILTIN) else
+              f"{_ratio(runs, 'tax', label, LCF)} | {_ratio(runs, 'tax', label, BUILTIN)} | "
+              f"{_ratio(runs, 'p95', label, LCF)} |")
+        rows.append(f"| {cell.name} | {label} | {_pct(tax)} | {p95:.2f} | {tps:.0f} | {worst} | "
+                    + (vs or "- | - | - |"))
+    return rows
+
+
+def _paired(runs: list[dict[str, dict[str, Any]]], fn: Any) -> float:
+    """Median over slices of ``fn(arms_of_one_slice)``: comparisons stay within a slice."""
+    return statistics.median(fn(r) for r in runs)
+
+
+def _gap_closed(r: dict[str, dict[str, Any]]) -> float:
+    """Share of the best peer's tax gap to the clairvoyant reference that bidkv closes."""
+    best = min(r[BUILTIN]["recompute_tax"], r[LCF]["recompute_tax"])
+    gap = best - r[ORACLE]["recompute_tax"]
+    ours = best - r[BIDKV]["recompute_tax"]
+    if gap <= 0:  # the reference is no better than the best peer here: at or below it counts
+        return 1.0 if ours >= 0 else 0.0
+    return ours / gap
+
+
+def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
+    """Issue 8's goals as medians of per-slice paired ratios (slice-to-slice spread is far
+    larger than the differences between policies, so arms are compared within a slice)."""
+
+    def ratio(metric: str, *peers: str) -> float:
+        return _paired(runs, lambda r: _metric(r[BIDKV], metric)
+                       / min(_metric(r[p], metric) for p in peers))
+
+    if "--no-prefix-caching" in cell.args:
+        checks = [("tax / LCF", ratio("tax", LCF), 0.85),
+                  ("tax / builtin", ratio("tax", BUILTIN), 0.5),
+                  ("P95 TTFT / LCF", ratio("p95", LCF), 1.0)]
+    else:
+        checks = [("tax / best peer", ratio("tax", BUILTIN, LCF), 1.0),
+                  ("P95 TTFT / best peer", ratio("p95", BUILTIN, LCF), 1.0)]
+    tps = _paired(runs, lambda r: r[BIDKV]["throughput_output_tok_s"]
+                  / r[BUILTIN]["throughput_output_tok_s"])
+    marks = [f"{name} {value:.3f} (goal <= {goal}): {'yes' if value <= goal else 'NO'}"
+             for name, value, goal in checks]
+    if "--no-prefix-caching" not in cell.args and ORACLE in runs[0]:
+        closed = _paired(runs, _gap_closed)
+        marks.append(f"gap to clairvoyant closed {closed:.2f} (goal >= 0.5): "
+                     f"{'yes' if closed >= 0.5 else 'NO'}")
+    marks.append(f"throughput / builtin {tps:.3f} (goal >= 0.99): {'yes' if tps >= 0.99 else 'NO'}")
+    return f"- `{cell.name}`: " + "; ".join(marks)
+
+
+def run_slices(
+    suite: str, traces: Path, cells: list[Cell], out_root: Path, reuse: bool = False
+) -> str:
+    """Every cell on every slice, in worker processes; medians and paired ratios."""
+    started = time.perf_counter()
+    jobs = [(suite, traces, cell, start, out_root, reuse)
+            for cell in cells for start in SLICE_STARTS]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(_replay_slice, jobs))
+    rows: list[str] = []
+    goals: list[str] = []
+    for i, cell in enumerate(cells):
+        runs = results[i * len(SLICE_STARTS):(i + 1) * len(SLICE_STARTS)]
+        rows += _slice_rows(cell, runs)
+        goals.append(_slice_goals(cell, runs))
+    header = (
+        "| cell | policy | median tax | median TTFT p95 s | median out tok/s | max preempt "
+        "(worst slice) | tax / LCF | tax / builtin | TTFT p95 / LCF |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    knobs = "\n".join(f"- `{c.name}`: `{c.trace}` {' '.join(c.args)}" for c in cells)
+    starts = ", ".join(str(s) for s in SLICE_STARTS)
+    return (f"{header}\n" + "\n".join(rows)
+            + f"\n\nSlices: 300 s windows starting at {starts} s of trace time.\n"
+            + f"Cells (knobs; the `--duration` shown is each slice's length):\n{knobs}\n"
+            + "\nIssue 8 goals for the default `bidkv` arm (medians over slices of per-slice "
+            + "ratios):\n"
+            + "\n".join(goals) + "\n\n" + _took(started, reuse))
+
+
+def _took(started: float, reuse: bool) -> str:
+    if reuse:
+        return "Re-rendered from the reports saved by an earlier run (`--reuse`).\n"
+    return f"Total wall time: {time.perf_counter() - started:.0f} s ({os.cpu_count()} workers).\n"
+
+
 def write_section(suite: str, text: str) -> None:
     begin, end = f"<!-- {suite}:begin -->", f"<!-- {suite}:end -->"
     readme = ROOT / "README.md"
@@ -181,12 +331,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(tempfile.gettempdir()) / "bidkv-replay-bench")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--reuse", action="store_true",
+                        help="slices: read reports already under --out instead of replaying")
     args = parser.parse_args()
     wanted = set(args.cells.split(",")) if args.cells else None
     cells = [c for c in SUITE_CELLS[args.suite] if wanted is None or c.name in wanted]
     if not cells:
         parser.error(f"--cells: none of {sorted(wanted or ())} is a cell name")
-    text = run_suite(args.suite, args.traces, cells, args.out)
+    if args.suite == "slices":
+        text = run_slices(args.suite, args.traces, cells, args.out, reuse=args.reuse)
+    else:
+        text = run_suite(args.suite, args.traces, cells, args.out)
     print(text)
     if not args.no_write:
         write_section(args.suite, text)

@@ -128,6 +128,11 @@ def candidate_index(candidates: Sequence[object], request_id: object) -> int:
     A C-level scan that stops at the match and allocates nothing: a Python loop over 1024
     candidates would cost more than a whole victim decision.
     """
+    # The host's built-in victim is the tail of the running list under FCFS, and the
+    # tail is where a decision most often points: one comparison before the scan.
+    last = len(candidates) - 1
+    if last >= 0 and _request_id(candidates[last]) == request_id:
+        return last
     try:
         return indexOf(map(_request_id, candidates), request_id)
     except ValueError:

@@ -1,0 +1,202 @@
+"""How far below least-computed-first can *any* victim rule go without prefix caching?
+
+    .venv/bin/python benchmarks/replay/headroom.py [--traces DIR] [--no-write]
+
+Issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off. This
+benchmark asks whether that is reachable by victim choice at all: it replays the two Azure
+conversation cells without prefix caching over the five slices of ``run.py slices`` with a
+family of rules around LCF, including *oracle* rules that read each request's true
+remaining output (``--max-tokens exact`` makes ``max_tokens`` the trace length, so
+``max_tokens - num_output_tokens`` is the truth). No online policy has that information,
+so the best oracle figure bounds what a smarter disruption estimate could buy here.
+
+The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
+in the bundle. Results go between the ``headroom`` markers of ``README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+from bidkv_ext.replay.cli import main as replay_main
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))  # workers import the probe rules as ``headroom:Name``
+from run import SLICE_STARTS, write_section  # noqa: E402
+
+Key = Callable[[PreemptionCandidate], float]
+CELLS = {
+    "conv-nopc-moderate": ("--num-gpu-blocks", "1600"),
+    "conv-nopc-heavy": ("--num-gpu-blocks", "1000"),
+}
+COMMON = ("--duration", "300", "--no-prefix-caching", "--max-tokens", "exact")
+
+
+def _computed(c: PreemptionCandidate) -> float:
+    return c.num_computed_tokens
+
+
+def _remaining(c: PreemptionCandidate) -> int:
+    return c.max_tokens - c.num_output_tokens
+
+
+class _Rule:
+    """Least ``key`` wins; ties go to the newest request (scan from the tail)."""
+
+    key: Key = staticmethod(_computed)
+
+    def pool(self, candidates: Sequence[PreemptionCandidate]) -> Sequence[PreemptionCandidate]:
+        return candidates
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        pool = self.pool(context.candidates) or context.candidates
+        return min(reversed(pool), key=self.key).request_id if pool else None
+
+
+def _within(tolerance: int) -> Callable[[Sequence[PreemptionCandidate]], list[PreemptionCandidate]]:
+    def pool(candidates: Sequence[PreemptionCandidate]) -> list[PreemptionCandidate]:
+        low = min(c.num_computed_tokens for c in candidates) + tolerance
+        return [c for c in candidates if c.num_computed_tokens <= low]
+
+    return pool
+
+
+class OracleSkipFinishing(_Rule):
+    """Oracle: LCF among requests with more than 32 true output tokens still to go."""
+
+    def pool(self, candidates: Sequence[PreemptionCandidate]) -> Sequence[PreemptionCandidate]:
+        return [c for c in candidates if _remaining(c) > 32]
+
+
+class OracleSkipFinishing256(_Rule):
+    """Oracle: LCF among requests with more than 256 true output tokens still to go."""
+
+    def pool(self, candidates: Sequence[PreemptionCandidate]) -> Sequence[PreemptionCandidate]:
+        return [c for c in candidates if _remaining(c) > 256]
+
+
+class OracleComputedMinusRemaining(_Rule):
+    """Oracle: least ``computed - remaining`` (small and long-lived victims first)."""
+
+    key = staticmethod(lambda c: c.num_computed_tokens - _remaining(c))
+
+
+class OracleComputedPlusRemaining(_Rule):
+    """Oracle: least ``computed + remaining`` (small and nearly finished victims first)."""
+
+    key = staticmethod(lambda c: c.num_computed_tokens + _remaining(c))
+
+
+class OracleLostPerBlockStep(_Rule):
+    """Oracle: least computed tokens lost per block-step of memory the victim would hold."""
+
+    key = staticmethod(
+        lambda c: c.num_computed_tokens
+        / (((c.num_computed_tokens + 15) // 16) * (_remaining(c) + 1))
+    )
+
+
+class OracleLongestAmongSmall(_Rule):
+    """Oracle: within 64 tokens of the least computed, the most true remaining output."""
+
+    key = staticmethod(lambda c: -_remaining(c))
+    pool = staticmethod(_within(64))
+
+
+class FewestPreemptionsAmongSmall(_Rule):
+    """Online: within 64 tokens of the least computed, the fewest prior preemptions."""
+
+    key = staticmethod(lambda c: c.num_preemptions)
+    pool = staticmethod(_within(64))
+
+
+class MostPreemptionsAmongSmall(_Rule):
+    """Online: within 64 tokens of the least computed, the most prior preemptions."""
+
+    key = staticmethod(lambda c: -c.num_preemptions)
+    pool = staticmethod(_within(64))
+
+
+class LeastLostPerFreedBlock(_Rule):
+    """Online: within 64 tokens of the least computed, fewest tokens per freed block."""
+
+    key = staticmethod(lambda c: c.num_computed_tokens / max(1, (c.num_computed_tokens + 15) // 16))
+    pool = staticmethod(_within(64))
+
+
+PROBES = (
+    OracleSkipFinishing,
+    OracleSkipFinishing256,
+    OracleComputedMinusRemaining,
+    OracleComputedPlusRemaining,
+    OracleLostPerBlockStep,
+    OracleLongestAmongSmall,
+    FewestPreemptionsAmongSmall,
+    MostPreemptionsAmongSmall,
+    LeastLostPerFreedBlock,
+)
+PEERS = "builtin,least-computed-first,bidkv,clairvoyant"
+
+
+def _replay(job: tuple[Path, str, int, Path]) -> dict[str, dict[str, Any]]:
+    trace, cell, start, out_root = job
+    out = out_root / f"headroom-{cell}-{start}"
+    argv = ["--trace", str(trace), *COMMON, *CELLS[cell], "--start", str(start),
+            "--policies", PEERS, "--no-progress", "--no-plots", "--output-dir", str(out)]
+    for probe in PROBES:
+        argv += ["--policy-class", f"headroom:{probe.__name__}"]
+    if replay_main(argv) != 0:
+        raise SystemExit(f"headroom.py: replay failed for {cell} at start {start}")
+    report = json.loads((out / "report.json").read_text())
+    return {arm["label"]: arm for arm in report["arms"]}
+
+
+def _table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
+    lines = ["| rule | " + " | ".join(f"{cell}: tax / LCF (median, min-max)" for cell in CELLS)
+             + " |", "|---|" + "---|" * len(CELLS)]
+    labels = list(next(iter(results.values()))[0])
+    for label in labels:
+        cells = []
+        for runs in results.values():
+            ratios = [r[label]["recompute_tax"] / r["least-computed-first"]["recompute_tax"]
+                      for r in runs]
+            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=Path, default=ROOT.parents[1].parent / "shared" / "traces")
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bidkv-headroom")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    trace = args.traces / "azure_llm_2023_conv.csv"
+    started = time.perf_counter()
+    jobs = [(trace, cell, start, args.out) for cell in CELLS for start in SLICE_STARTS]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        flat = list(pool.map(_replay, jobs))
+    n = len(SLICE_STARTS)
+    results = {cell: flat[i * n:(i + 1) * n] for i, cell in enumerate(CELLS)}
+    text = (_table(results) + f"\n\nSlices: 300 s windows starting at "
+            f"{', '.join(map(str, SLICE_STARTS))} s; every arm with `--max-tokens exact`.\n"
+            f"Total wall time: {time.perf_counter() - started:.0f} s.\n")
+    print(text)
+    if not args.no_write:
+        write_section("headroom", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
