@@ -1,17 +1,24 @@
-"""How far below least-computed-first can *any* victim rule go without prefix caching?
+"""Probe rules around the peers: how much room does victim choice leave?
 
-    .venv/bin/python benchmarks/replay/headroom.py [--traces DIR] [--no-write]
+    .venv/bin/python benchmarks/replay/headroom.py nopc [--traces DIR] [--no-write]
+    .venv/bin/python benchmarks/replay/headroom.py pc   [--traces DIR] [--no-write]
 
-Issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off. This
-benchmark asks whether that is reachable by victim choice at all: it replays the two Azure
+``nopc``: issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off.
+This suite asks whether that is reachable by victim choice at all: it replays the two Azure
 conversation cells without prefix caching over the five slices of ``run.py slices`` with a
 family of rules around LCF, including *oracle* rules that read each request's true
 remaining output (``--max-tokens exact`` makes ``max_tokens`` the trace length, so
 ``max_tokens - num_output_tokens`` is the truth). No online policy has that information,
 so the best oracle figure bounds what a smarter disruption estimate could buy here.
 
+``pc``: with prefix caching the built-in victim beats LCF on recompute tax at moderate
+pressure while LCF keeps the lower P95 TTFT. This suite tries rules between the two on the
+two prefix-caching cells (vLLM's default cap, as in ``run.py slices``) and reports both
+metrics against the best peer of each slice.
+
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
-in the bundle. Results go between the ``headroom`` markers of ``README.md``.
+in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
+``README.md``.
 """
 
 from __future__ import annotations
@@ -135,6 +142,61 @@ class LeastLostPerFreedBlock(_Rule):
     pool = staticmethod(_within(64))
 
 
+class _LargeEnough:
+    """Prefix caching: a victim's loss is capped by what gets evicted before it returns, so
+    prefer victims holding at least ``horizon`` tokens (those tie), then ``tie``."""
+
+    horizon = 256
+    newest = False
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        cands = context.candidates
+        if not cands:
+            return None
+        h, builtin = self.horizon, context.builtin_victim_id
+        if self.newest:
+            best = max(range(len(cands)), key=lambda i: (min(cands[i].num_computed_tokens, h), i))
+            return cands[best].request_id
+        return min(reversed(cands), key=lambda c: (
+            -min(c.num_computed_tokens, h), c.request_id != builtin, c.num_computed_tokens
+        )).request_id
+
+
+class LargeEnough256(_LargeEnough):
+    """At least 256 tokens held (ties: the host's victim, then the smallest)."""
+
+
+class LargeEnough512Newest(_LargeEnough):
+    """At least 512 tokens held (ties: the newest)."""
+
+    horizon = 512
+    newest = True
+
+
+class HostVictimIfLarge(_Rule):
+    """The host's own victim when it holds at least 256 tokens, else LCF."""
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        builtin = context.builtin_victim_id
+        for c in context.candidates:
+            if c.request_id == builtin and c.num_computed_tokens >= 256:
+                return builtin
+        return super().select_victim(context)
+
+
+class CappedLossHostTie(_Rule):
+    """Least ``min(computed, 256)`` (loss capped at a horizon); ties: the host's victim."""
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        cands, builtin = context.candidates, context.builtin_victim_id
+        if not cands:
+            return None
+        return min(reversed(cands), key=lambda c: (
+            min(c.num_computed_tokens, 256), c.request_id != builtin
+        )).request_id
+
+
+PC_PROBES = (LargeEnough256, LargeEnough512Newest, HostVictimIfLarge, CappedLossHostTie)
 PROBES = (
     OracleSkipFinishing,
     OracleSkipFinishing256,
@@ -147,14 +209,25 @@ PROBES = (
     LeastLostPerFreedBlock,
 )
 PEERS = "builtin,least-computed-first,bidkv,clairvoyant"
+PC_CELLS = {
+    "conv-pc-moderate": ("--num-gpu-blocks", "1200"),
+    "conv-pc-heavy": ("--num-gpu-blocks", "600"),
+}
+SUITES = {
+    # suite: (cells, common knobs, peer arms, probe classes, README marker)
+    "nopc": (CELLS, COMMON, PEERS, PROBES, "headroom"),
+    "pc": (PC_CELLS, ("--duration", "300"), "builtin,least-computed-first,bidkv",
+           PC_PROBES, "headroom-pc"),
+}
 
 
-def _replay(job: tuple[Path, str, int, Path]) -> dict[str, dict[str, Any]]:
-    trace, cell, start, out_root = job
+def _replay(job: tuple[Path, str, str, int, Path]) -> dict[str, dict[str, Any]]:
+    trace, suite, cell, start, out_root = job
+    cells, common, peers, probes, _ = SUITES[suite]
     out = out_root / f"headroom-{cell}-{start}"
-    argv = ["--trace", str(trace), *COMMON, *CELLS[cell], "--start", str(start),
-            "--policies", PEERS, "--no-progress", "--no-plots", "--output-dir", str(out)]
-    for probe in PROBES:
+    argv = ["--trace", str(trace), *common, *cells[cell], "--start", str(start),
+            "--policies", peers, "--no-progress", "--no-plots", "--output-dir", str(out)]
+    for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
     if replay_main(argv) != 0:
         raise SystemExit(f"headroom.py: replay failed for {cell} at start {start}")
@@ -163,8 +236,8 @@ def _replay(job: tuple[Path, str, int, Path]) -> dict[str, dict[str, Any]]:
 
 
 def _table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
-    lines = ["| rule | " + " | ".join(f"{cell}: tax / LCF (median, min-max)" for cell in CELLS)
-             + " |", "|---|" + "---|" * len(CELLS)]
+    lines = ["| rule | " + " | ".join(f"{cell}: tax / LCF (median, min-max)" for cell in results)
+             + " |", "|---|" + "---|" * len(results)]
     labels = list(next(iter(results.values()))[0])
     for label in labels:
         cells = []
@@ -176,25 +249,49 @@ def _table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
     return "\n".join(lines)
 
 
+def _best_peer_table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
+    """Per slice, tax and P95 TTFT against the better of builtin and LCF on that metric."""
+    head = " | ".join(f"{cell}: tax / best peer | {cell}: P95 TTFT / best peer"
+                      for cell in results)
+    lines = [f"| rule | {head} |", "|---|" + "---|---|" * len(results)]
+    for label in next(iter(results.values()))[0]:
+        cells = []
+        for runs in results.values():
+            for metric in ("tax", "p95"):
+                values = [_value(r[label], metric) / min(_value(r[p], metric)
+                          for p in ("builtin", "least-computed-first")) for r in runs]
+                cells.append(f"{statistics.median(values):.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _value(arm: dict[str, Any], metric: str) -> float:
+    return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--traces", type=Path, default=ROOT.parents[1].parent / "shared" / "traces")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bidkv-headroom")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     trace = args.traces / "azure_llm_2023_conv.csv"
+    cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
-    jobs = [(trace, cell, start, args.out) for cell in CELLS for start in SLICE_STARTS]
+    jobs = [(trace, args.suite, cell, start, args.out) for cell in cells for start in SLICE_STARTS]
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         flat = list(pool.map(_replay, jobs))
     n = len(SLICE_STARTS)
-    results = {cell: flat[i * n:(i + 1) * n] for i, cell in enumerate(CELLS)}
-    text = (_table(results) + f"\n\nSlices: 300 s windows starting at "
-            f"{', '.join(map(str, SLICE_STARTS))} s; every arm with `--max-tokens exact`.\n"
+    results = {cell: flat[i * n:(i + 1) * n] for i, cell in enumerate(cells)}
+    table = _table(results) if args.suite == "nopc" else _best_peer_table(results)
+    text = (table + f"\n\nSlices: 300 s windows starting at "
+            f"{', '.join(map(str, SLICE_STARTS))} s; knobs `{' '.join(common)}` plus the "
+            f"cell's `--num-gpu-blocks`.\n"
             f"Total wall time: {time.perf_counter() - started:.0f} s.\n")
     print(text)
     if not args.no_write:
-        write_section("headroom", text)
+        write_section(marker, text)
     return 0
 
 
