@@ -11,7 +11,8 @@ and without host facts, the reference BidKV 0.2.1 rule and the clairvoyant refer
 checks issue 8's goals per cell. ``ablation`` switches BidKV's terms and guards on and off.
 ``pressure`` runs each trace at no / moderate / heavy KV pressure (and reports the replay's
 own speed in simulated seconds per wall second). ``slices`` replays the Azure conversation
-cells over five 300 s slices of the trace (evaluation.md section 5) and reports medians,
+cells, and the code and Mooncake traces at moderate and heavy pressure, over five 300 s
+slices of each trace (evaluation.md section 5) and reports medians,
 paired ratios to the peers with bootstrap 95 % intervals, and issue 8's goals on the medians.
 Each suite writes its tables between its markers in ``benchmarks/replay/README.md``.
 
@@ -92,7 +93,11 @@ SLICES = ("builtin,least-computed-first,bidkv,bidkv{liveness_preemptions=0},"
           "bidkv-0.2.1,clairvoyant")
 # Five disjoint 300 s slices of the 3,502 s Azure conversation trace.
 SLICE_STARTS = (0, 700, 1400, 2100, 2800)
-SLICE_CELLS = tuple(c for c in CELLS if c.trace == CONV)
+# The four Azure conversation cells, plus the code and Mooncake traces at moderate and
+# heavy pressure (issue 5's grid, prefix caching on).
+SLICE_CELLS = tuple(c for c in CELLS if c.trace == CONV) + tuple(
+    c for c in PRESSURE_CELLS if c.trace != CONV and not c.name.endswith("-none")
+)
 SUITES = {"comparison": COMPARISON, "ablation": ABLATION, "pressure": PRESSURE,
           "slices": SLICES}
 SUITE_CELLS = {"comparison": CELLS, "ablation": CELLS, "pressure": PRESSURE_CELLS,
@@ -206,9 +211,16 @@ def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[flo
 
 def _ratio(runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, peer: str) -> str:
     """Median and bootstrap interval of the per-slice ratio arm / peer (paired by slice)."""
-    values = [_metric(r[arm], metric) / _metric(r[peer], metric) for r in runs]
+    values = [_div(_metric(r[arm], metric), _metric(r[peer], metric)) for r in runs]
     low, high = _bootstrap_median(values)
     return f"{statistics.median(values):.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _div(value: float, peer: float) -> float:
+    """value / peer, where 0 / 0 is 1 (both arms recomputed nothing: a tie)."""
+    if peer == 0.0:
+        return 1.0 if value == 0.0 else float("inf")
+    return value / peer
 
 
 def _metric(arm: dict[str, Any], metric: str) -> float:
@@ -254,8 +266,8 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     larger than the differences between policies, so arms are compared within a slice)."""
 
     def ratio(metric: str, *peers: str) -> float:
-        return _paired(runs, lambda r: _metric(r[BIDKV], metric)
-                       / min(_metric(r[p], metric) for p in peers))
+        return _paired(runs, lambda r: _div(_metric(r[BIDKV], metric),
+                                            min(_metric(r[p], metric) for p in peers)))
 
     if "--no-prefix-caching" in cell.args:
         checks = [("tax / LCF", ratio("tax", LCF), 0.85),
