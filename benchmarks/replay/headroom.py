@@ -24,23 +24,28 @@ in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
-from bidkv_ext.replay.cli import main as replay_main
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # workers import the probe rules as ``headroom:Name``
-from run import SLICE_STARTS, write_section  # noqa: E402
+from run import (  # noqa: E402
+    BUILTIN,
+    LCF,
+    SLICE_STARTS,
+    Arms,
+    metric_of,
+    over_slices,
+    ratio_of,
+    replay_arms,
+    write_section,
+)
 
 Key = Callable[[PreemptionCandidate], float]
 CELLS = {
@@ -221,35 +226,29 @@ SUITES = {
 }
 
 
-def _replay(job: tuple[Path, str, str, int, Path]) -> dict[str, dict[str, Any]]:
+def _replay(job: tuple[Path, str, str, int, Path]) -> Arms:
     trace, suite, cell, start, out_root = job
     cells, common, peers, probes, _ = SUITES[suite]
-    out = out_root / f"headroom-{cell}-{start}"
     argv = ["--trace", str(trace), *common, *cells[cell], "--start", str(start),
-            "--policies", peers, "--no-progress", "--no-plots", "--output-dir", str(out)]
+            "--policies", peers]
     for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
-    if replay_main(argv) != 0:
-        raise SystemExit(f"headroom.py: replay failed for {cell} at start {start}")
-    report = json.loads((out / "report.json").read_text())
-    return {arm["label"]: arm for arm in report["arms"]}
+    return replay_arms(argv, out_root / f"headroom-{cell}-{start}", f"{cell} at start {start}")
 
 
-def _table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
+def _table(results: dict[str, list[Arms]]) -> str:
     lines = ["| rule | " + " | ".join(f"{cell}: tax / LCF (median, min-max)" for cell in results)
              + " |", "|---|" + "---|" * len(results)]
-    labels = list(next(iter(results.values()))[0])
-    for label in labels:
+    for label in next(iter(results.values()))[0]:
         cells = []
         for runs in results.values():
-            ratios = [r[label]["recompute_tax"] / r["least-computed-first"]["recompute_tax"]
-                      for r in runs]
+            ratios = [ratio_of(metric_of(r[label], "tax"), metric_of(r[LCF], "tax")) for r in runs]
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _best_peer_table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str:
+def _best_peer_table(results: dict[str, list[Arms]]) -> str:
     """Per slice, tax and P95 TTFT against the better of builtin and LCF on that metric."""
     head = " | ".join(f"{cell}: tax / best peer | {cell}: P95 TTFT / best peer"
                       for cell in results)
@@ -258,15 +257,11 @@ def _best_peer_table(results: dict[str, list[dict[str, dict[str, Any]]]]) -> str
         cells = []
         for runs in results.values():
             for metric in ("tax", "p95"):
-                values = [_value(r[label], metric) / min(_value(r[p], metric)
-                          for p in ("builtin", "least-computed-first")) for r in runs]
+                values = [ratio_of(metric_of(r[label], metric),
+                               min(metric_of(r[p], metric) for p in (BUILTIN, LCF))) for r in runs]
                 cells.append(f"{statistics.median(values):.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _value(arm: dict[str, Any], metric: str) -> float:
-    return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
 
 
 def main() -> int:
@@ -279,11 +274,10 @@ def main() -> int:
     trace = args.traces / "azure_llm_2023_conv.csv"
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
-    jobs = [(trace, args.suite, cell, start, args.out) for cell in cells for start in SLICE_STARTS]
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        flat = list(pool.map(_replay, jobs))
-    n = len(SLICE_STARTS)
-    results = {cell: flat[i * n:(i + 1) * n] for i, cell in enumerate(cells)}
+    results = over_slices(_replay, {
+        cell: [(trace, args.suite, cell, start, args.out) for start in SLICE_STARTS]
+        for cell in cells
+    })
     table = _table(results) if args.suite == "nopc" else _best_peer_table(results)
     text = (table + f"\n\nSlices: 300 s windows starting at "
             f"{', '.join(map(str, SLICE_STARTS))} s; knobs `{' '.join(common)}` plus the "

@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,8 @@ SUITES = {"comparison": COMPARISON, "ablation": ABLATION, "pressure": PRESSURE,
 SUITE_CELLS = {"comparison": CELLS, "ablation": CELLS, "pressure": PRESSURE_CELLS,
                "slices": SLICE_CELLS}
 LCF, BIDKV, BUILTIN = "least-computed-first", "bidkv", "builtin"
+Arms = dict[str, dict[str, Any]]
+"""One replay's arms by label (``report.json``'s ``arms``)."""
 ORACLE = "clairvoyant (reference)"
 
 
@@ -182,20 +185,32 @@ def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> st
     return text + f"\nTotal wall time: {took:.0f} s.\n"
 
 
-def _replay_slice(job: tuple[str, Path, Cell, int, Path, bool]) -> dict[str, dict[str, Any]]:
-    """One cell on one slice (runs in a worker process); returns the arms by label.
-    With ``reuse`` a report already in the output folder is read instead of replaying."""
-    suite, traces, cell, start, out_root, reuse = job
-    out = out_root / f"{suite}-{cell.name}-{start}"
-    if reuse and (out / "report.json").is_file():
-        report = json.loads((out / "report.json").read_text())
-        return {arm["label"]: arm for arm in report["arms"]}
-    argv = ["--trace", str(traces / cell.trace), *cell.args, "--start", str(start),
-            "--policies", SUITES[suite], "--no-progress", "--no-plots", "--output-dir", str(out)]
-    if replay_main(argv) != 0:
-        raise SystemExit(f"run.py: replay failed for {cell.name} at start {start}")
-    report = json.loads((out / "report.json").read_text())
+def replay_arms(argv: list[str], out: Path, what: str, reuse: bool = False) -> Arms:
+    """Replay ``argv`` into ``out`` and return its arms by label. With ``reuse`` a report
+    already in ``out`` is read instead of replaying."""
+    report_path = out / "report.json"
+    fresh = not (reuse and report_path.is_file())
+    if fresh and replay_main([*argv, "--no-progress", "--no-plots", "--output-dir", str(out)]):
+        raise SystemExit(f"{Path(sys.argv[0]).name}: replay failed for {what}")
+    report = json.loads(report_path.read_text())
     return {arm["label"]: arm for arm in report["arms"]}
+
+
+def over_slices(worker: Callable[[Any], Arms], jobs: dict[str, list[Any]]) -> dict[str, list[Arms]]:
+    """Run every cell's jobs (one per slice) in worker processes; the arms per cell, in order."""
+    flat = [job for cell_jobs in jobs.values() for job in cell_jobs]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = iter(pool.map(worker, flat))
+    return {cell: [next(results) for _ in cell_jobs] for cell, cell_jobs in jobs.items()}
+
+
+def _replay_slice(job: tuple[str, Path, Cell, int, Path, bool]) -> Arms:
+    """One cell on one slice (runs in a worker process)."""
+    suite, traces, cell, start, out_root, reuse = job
+    argv = ["--trace", str(traces / cell.trace), *cell.args, "--start", str(start),
+            "--policies", SUITES[suite]]
+    return replay_arms(argv, out_root / f"{suite}-{cell.name}-{start}",
+                       f"{cell.name} at start {start}", reuse)
 
 
 def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[float, float]:
@@ -211,25 +226,25 @@ def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[flo
 
 def _ratio(runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, peer: str) -> str:
     """Median and bootstrap interval of the per-slice ratio arm / peer (paired by slice)."""
-    values = [_div(_metric(r[arm], metric), _metric(r[peer], metric)) for r in runs]
+    values = [ratio_of(metric_of(r[arm], metric), metric_of(r[peer], metric)) for r in runs]
     low, high = _bootstrap_median(values)
     return f"{statistics.median(values):.3f} [{low:.3f}, {high:.3f}]"
 
 
-def _div(value: float, peer: float) -> float:
+def ratio_of(value: float, peer: float) -> float:
     """value / peer, where 0 / 0 is 1 (both arms recomputed nothing: a tie)."""
     if peer == 0.0:
         return 1.0 if value == 0.0 else float("inf")
     return value / peer
 
 
-def _metric(arm: dict[str, Any], metric: str) -> float:
+def metric_of(arm: dict[str, Any], metric: str) -> float:
     return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
 
 
 def _median(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
     return statistics.median(
-        _metric(r[label], key) if key in ("tax", "p95") else float(r[label][key]) for r in runs)
+        metric_of(r[label], key) if key in ("tax", "p95") else float(r[label][key]) for r in runs)
 
 
 def _slice_rows(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> list[str]:
@@ -266,8 +281,8 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     larger than the differences between policies, so arms are compared within a slice)."""
 
     def ratio(metric: str, *peers: str) -> float:
-        return _paired(runs, lambda r: _div(_metric(r[BIDKV], metric),
-                                            min(_metric(r[p], metric) for p in peers)))
+        return _paired(runs, lambda r: ratio_of(metric_of(r[BIDKV], metric),
+                                            min(metric_of(r[p], metric) for p in peers)))
 
     if "--no-prefix-caching" in cell.args:
         checks = [("tax / LCF", ratio("tax", LCF), 0.85),
@@ -293,14 +308,13 @@ def run_slices(
 ) -> str:
     """Every cell on every slice, in worker processes; medians and paired ratios."""
     started = time.perf_counter()
-    jobs = [(suite, traces, cell, start, out_root, reuse)
-            for cell in cells for start in SLICE_STARTS]
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(pool.map(_replay_slice, jobs))
+    jobs = {cell.name: [(suite, traces, cell, start, out_root, reuse) for start in SLICE_STARTS]
+            for cell in cells}
+    results = over_slices(_replay_slice, jobs)
     rows: list[str] = []
     goals: list[str] = []
-    for i, cell in enumerate(cells):
-        runs = results[i * len(SLICE_STARTS):(i + 1) * len(SLICE_STARTS)]
+    for cell in cells:
+        runs = results[cell.name]
         rows += _slice_rows(cell, runs)
         goals.append(_slice_goals(cell, runs))
     header = (
