@@ -13,6 +13,7 @@ from bidkv_ext.contract import (
     PreemptionContext,
     PreemptionPolicy,
     PreemptionPolicyStats,
+    candidate_index,
 )
 from bidkv_ext.selector import BidkvPreemptionPolicy
 
@@ -112,8 +113,6 @@ def test_candidate_index_finds_every_position_and_reports_absence() -> None:
     """candidate_index (used by the controller's validation and the built-in victim) must
     return the true position for the head, middle and tail (the tail has its own fast
     path) and -1 for an unknown id or no candidates."""
-    from bidkv_ext.contract import candidate_index
-
     cands = [PreemptionCandidate(f"r{i}", 0, float(i), 10, 1, 11, 0, 100) for i in range(7)]
     for i in range(7):
         assert candidate_index(cands, f"r{i}") == i

@@ -141,11 +141,10 @@ class UtilityStrategy:
             facts = None
         # Positions found along the way (by object identity), so that reporting where the
         # victim sits rarely needs another scan.
-        tail = candidates[-1]
-        known = {id(tail): len(candidates) - 1}
+        # (candidate_index checks the tail, the host's FCFS victim, before any scan.)
+        known: dict[int, int] = {}
         requester = _locate(candidates, context.requesting_request_id, known)
-        builtin_id = context.builtin_victim_id
-        builtin = tail if tail.request_id == builtin_id else _locate(candidates, builtin_id, known)
+        builtin = _locate(candidates, context.builtin_victim_id, known)
         need = self._needed_blocks(requester, facts)
         # Page awareness needs the host's per-candidate page counts and a live shrink;
         # without either the score is exactly the plain one.
