@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import stat
+from collections.abc import Iterator
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -230,6 +231,13 @@ def _object(value: object, location: str) -> dict[str, Any]:
     return value
 
 
+def _objects(values: list[Any], location: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each element of an array that must hold objects, with its location for messages."""
+    for index, raw in enumerate(values):
+        where = f"{location}[{index}]"
+        yield where, _object(raw, where)
+
+
 def _string(value: object, location: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ManifestError(f"{location} must be a non-empty string")
@@ -295,9 +303,7 @@ def _components(value: object) -> tuple[Component, ...]:
     if not isinstance(value, list):
         raise ManifestError("components must be a non-empty array")
     result: list[Component] = []
-    for index, raw in enumerate(value):
-        where = f"components[{index}]"
-        item = _object(raw, where)
+    for where, item in _objects(value, "components"):
         _keys(item, _COMPONENT_REQUIRED, frozenset({"permissions"}), where)
         component_id = _identifier(item["component_id"], f"{where}.component_id")
         contracts = _strings(item["contracts"], f"{where}.contracts")
@@ -339,9 +345,7 @@ def _activation(value: object) -> Activation:
     if not isinstance(raw_entries, list):
         raise ManifestError("activation.entry_points must be an array")
     entries: list[EntryPointRef] = []
-    for index, raw in enumerate(raw_entries):
-        where = f"activation.entry_points[{index}]"
-        item = _object(raw, where)
+    for where, item in _objects(raw_entries, "activation.entry_points"):
         if item.keys() != {"group", "name"}:
             raise ManifestError(f"{where} requires group and name")
         entries.append(
@@ -391,9 +395,7 @@ def _protocols(value: object) -> tuple[ProtocolSpec, ...]:
     if not isinstance(value, list):
         raise ManifestError("protocols must be an array")
     result: list[ProtocolSpec] = []
-    for index, raw in enumerate(value):
-        where = f"protocols[{index}]"
-        item = _object(raw, where)
+    for where, item in _objects(value, "protocols"):
         if item.keys() != {"name", "version_range"}:
             raise ManifestError(f"{where} requires name and version_range")
         result.append(
@@ -411,9 +413,7 @@ def _implementation(value: object) -> tuple[Carrier, ...]:
     if not isinstance(value, list) or not value:
         raise ManifestError("implementation must be a non-empty array")
     result: list[Carrier] = []
-    for index, raw in enumerate(value):
-        where = f"implementation[{index}]"
-        item = _object(raw, where)
+    for where, item in _objects(value, "implementation"):
         kind = _string(item.get("type"), f"{where}.type")
         _known((kind,), _CARRIERS, f"{where}.type")
         attributes = {k: v for k, v in item.items() if k != "type"}
@@ -441,9 +441,7 @@ def _services(value: object) -> tuple[RequiredService, ...]:
     if not isinstance(value, list):
         raise ManifestError("requires_services must be an array")
     result: list[RequiredService] = []
-    for index, raw in enumerate(value):
-        where = f"requires_services[{index}]"
-        item = _object(raw, where)
+    for where, item in _objects(value, "requires_services"):
         _keys(item, _SERVICE_REQUIRED, frozenset({"optional"}), where)
         optional = item.get("optional", False)
         if not isinstance(optional, bool):
