@@ -68,36 +68,55 @@ def test_never_raises_always_a_candidate_and_deterministic(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(candidate, min_size=1, max_size=300),
+    # Both paths: plain Python scoring below 48 candidates, array passes from 48.
+    st.one_of(st.lists(candidate, min_size=1, max_size=47),
+              st.lists(candidate, min_size=48, max_size=300)),
     st.booleans(),
     st.floats(0.0, 1.0),
     st.floats(0.0, 3.0),
+    st.sampled_from([0.0, 1.0, 8.0]),
+    st.sampled_from([0.0, 16.0, 64.0]),
+    st.integers(0, 299),
+    st.one_of(st.none(), st.integers(0, 299)),
 )
-def test_pruned_argmax_equals_scoring_everyone(
-    cands: list[PreemptionCandidate], prefix: bool, survival: float, weight: float
+def test_bounded_argmax_picks_what_scoring_everyone_picks(
+    cands: list[PreemptionCandidate],
+    prefix: bool,
+    survival: float,
+    weight: float,
+    completion: float,
+    base: float,
+    requester: int,
+    builtin: int | None,
 ) -> None:
-    """The C-level fast path (sufficiency filter, anchors, bound-and-prune) picks a
-    candidate with the same, maximal U as scoring every candidate in Python."""
+    """The array fast path (sufficiency filter, anchors, bound-and-cut; from 48 candidates)
+    picks exactly the candidate that scoring everyone in Python picks, ties included:
+    the highest U among the candidates that free the shortfall alone (or among all when
+    none does); ties to the built-in victim, then to the newest."""
     strategy = UtilityStrategy(UtilityParams(
         prefix_caching=prefix, cache_survival=survival, preempt_weight=weight,
-        cascade_gain_ratio=1.0,
+        completion_weight=completion, base_cost=base, cascade_gain_ratio=1.0,
     ))
     # Unique ids so that "which candidate" is well defined.
     cands = [PreemptionCandidate(str(i), *(getattr(c, f) for f in c.__slots__[1:]))
              for i, c in enumerate(cands)]
-    context = PreemptionContext(tuple(cands), "fcfs", cands[0].request_id, 0.9, 1.0, None)
-    need = strategy._needed_blocks(cands[0], None)
+    asker = cands[requester % len(cands)]
+    host = None if builtin is None else cands[builtin % len(cands)].request_id
+    context = PreemptionContext(tuple(cands), "fcfs", asker.request_id, 0.9, 1.0, host)
+    need = strategy._needed_blocks(asker, None)
     chosen = strategy.choose(context.candidates, context, None)
-    # The documented rule: the highest U among the candidates that free the shortfall on
-    # their own, or among all when none does.
+
     sufficient = [c for c in cands if -(-c.num_computed_tokens // 16) >= need]
-    scores = [strategy.utility(c, need) for c in (sufficient or cands)]
-    best = max(scores)
+    ranked = sufficient or cands
+    scores = {c.request_id: strategy.utility(c, need) for c in ranked}
+    best = max(scores.values())
     if best <= 0.0:
         assert chosen is None
-    else:
-        assert chosen is not None
-        assert strategy.utility(chosen, need) == best
+        return
+    winners = [c.request_id for c in ranked if scores[c.request_id] == best]
+    expected = host if host in winners else winners[-1]
+    assert chosen is not None and chosen.request_id == expected
+    assert context.candidates[strategy.last_index] is chosen
 
 
 @settings(max_examples=80, deadline=None)
@@ -138,3 +157,20 @@ def test_position_hint_after_the_sufficiency_filter() -> None:
     chosen = policy.select_victim(context)
     assert chosen == "l0"  # the least computed of those that free 128 blocks alone
     assert cands[policy.victim_index_hint].request_id == "l0"
+
+
+def test_the_bound_keeps_a_winner_just_inside_it() -> None:
+    """Regression guard for the array path's bound: the least computed request is nearly
+    finished (its delta doubles), so a slightly larger one wins; it sits one token inside
+    the computed-token limit and must not be cut."""
+    fillers = [PreemptionCandidate(f"f{i}", 0, float(i), 2990, 10, 3000, 0, 100_000)
+               for i in range(58)]
+    finishing = PreemptionCandidate("finishing", 0, 100.0, 90, 10, 100, 0, 10)
+    contender = PreemptionCandidate("contender", 0, 101.0, 253, 10, 263, 0, 1_000_000)
+    cands = (*fillers[:30], finishing, contender, *fillers[30:])
+    context = PreemptionContext(cands, "fcfs", "f3", 0.9, 1.0, cands[-1].request_id)
+    strategy = UtilityStrategy()
+    assert strategy.utility(contender, 1) > strategy.utility(finishing, 1)
+    chosen = strategy.choose(cands, context, None)
+    assert chosen is contender
+    assert cands[strategy.last_index] is contender
