@@ -90,8 +90,8 @@ PRESSURE_CELLS = tuple(
     )
     for level, blocks in budgets
 )
-SLICES = ("builtin,least-computed-first,bidkv,bidkv{liveness_preemptions=0},"
-          "bidkv-0.2.1,clairvoyant")
+SLICES = ("builtin,least-computed-first,bidkv,bidkv{use_host_facts=false},"
+          "bidkv{liveness_preemptions=0},bidkv-0.2.1,clairvoyant")
 # Five disjoint 300 s slices of the 3,502 s Azure conversation trace.
 SLICE_STARTS = (0, 700, 1400, 2100, 2800)
 # The four Azure conversation cells, plus the code and Mooncake traces at moderate and
