@@ -14,7 +14,8 @@ so the best oracle figure bounds what a smarter disruption estimate could buy he
 ``pc``: with prefix caching the built-in victim beats LCF on recompute tax at moderate
 pressure while LCF keeps the lower P95 TTFT. This suite tries rules between the two on the
 two prefix-caching cells (vLLM's default cap, as in ``run.py slices``) and reports both
-metrics against the best peer of each slice.
+metrics against the best peer of each slice. It also runs bidkv with a liveness threshold of
+2 (instead of 4) and the clairvoyant reference, to place the guard's own trade-off.
 
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
 in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
@@ -221,7 +222,8 @@ PC_CELLS = {
 SUITES = {
     # suite: (cells, common knobs, peer arms, probe classes, README marker)
     "nopc": (CELLS, COMMON, PEERS, PROBES, "headroom"),
-    "pc": (PC_CELLS, ("--duration", "300"), "builtin,least-computed-first,bidkv",
+    "pc": (PC_CELLS, ("--duration", "300"),
+           "builtin,least-computed-first,bidkv,bidkv{liveness_preemptions=2},clairvoyant",
            PC_PROBES, "headroom-pc"),
 }
 
