@@ -161,13 +161,12 @@ class UtilityStrategy:
         self._shrinking = facts is not None and _capacity_shrinking()
         window: Sequence[PreemptionCandidate]
         if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
-            window, narrowed = self._bounded(candidates, need, known, builtin, requester)
+            window, builtin = self._bounded(candidates, need, known, builtin, requester)
         else:
             window = self._sufficient(candidates, need, facts)
-            narrowed = window is not candidates
-        if narrowed:
-            # Outside the ranked set a candidate may not win, not even a tie.
-            builtin = self._if_sufficient(builtin, need, facts)
+            if window is not candidates:
+                # Outside the ranked set a candidate may not win, not even a tie.
+                builtin = self._if_sufficient(builtin, need, facts)
         best = self._argmax(window, builtin, facts, need)
         if best is not None:
             best = self._cascade_guard(best, requester, facts, need)
@@ -259,13 +258,17 @@ class UtilityStrategy:
         if need <= 1:
             return candidates
         if facts is None:
-            enough = self.params.block_size * (need - 1) + 1
+            enough = self._sufficient_tokens(need)
             chosen = tuple(compress(
                 candidates, map(le, repeat(enough), map(_computed, candidates))
             ))
         else:
             chosen = tuple(c for c in candidates if self._freed_blocks(c, facts) >= need)
         return chosen or candidates
+
+    def _sufficient_tokens(self, need: int) -> int:
+        # The fewest computed tokens whose blocks, ceil(tokens / block_size), reach `need`.
+        return self.params.block_size * (need - 1) + 1
 
     def _if_sufficient(
         self,
@@ -284,14 +287,14 @@ class UtilityStrategy:
         known: dict[int, int],
         builtin: PreemptionCandidate | None,
         requester: PreemptionCandidate | None,
-    ) -> tuple[Sequence[PreemptionCandidate], bool]:
-        """The candidates that can still win, in order, and whether the sufficiency rule
-        narrowed the ranked set (see :meth:`_sufficient`). Records their positions in
-        ``known``."""
+    ) -> tuple[Sequence[PreemptionCandidate], PreemptionCandidate | None]:
+        """The candidates that can still win, in order, and the built-in victim if it is in
+        the ranked set (see :meth:`_sufficient`; outside it a candidate may not win, not
+        even a tie). Records the candidates' positions in ``known``."""
         computed: _Counts = np.fromiter(map(_computed, candidates), np.int64, len(candidates))
         # The ranked set: candidates that free the shortfall alone, when any does; else
         # every candidate that frees anything (U = 0 cannot win).
-        lowest = self.params.block_size * (need - 1) + 1
+        lowest = self._sufficient_tokens(need)
         narrowed = need > 1 and int(computed.max()) >= lowest
         if not narrowed:
             lowest = 1
@@ -301,7 +304,7 @@ class UtilityStrategy:
             ranked = np.where(computed >= lowest, computed, _NEVER)
             at = int(ranked.argmin())
             if ranked[at] == _NEVER:
-                return (), narrowed  # nobody frees a block
+                return (), builtin  # nobody frees a block
         lcf = candidates[at]
         known[id(lcf)] = at
         if narrowed:
@@ -320,7 +323,7 @@ class UtilityStrategy:
         where = positions.tolist()
         window = [candidates[i] for i in where]
         known.update(zip(map(id, window), where, strict=True))
-        return window or (lcf,), narrowed
+        return window or (lcf,), builtin
 
     def _cut(self, ranked: _Counts, need: int, u0: float) -> npt.NDArray[np.intp]:
         """Positions whose computed tokens can still reach ``u0``: between the floor and
