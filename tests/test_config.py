@@ -1,6 +1,9 @@
-"""BidKVConfig: inert by default, kill switch wins, precedence, one-line errors naming the source."""
+"""BidKVConfig: inert by default, kill switch wins, precedence, one-line errors naming
+the source."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import pytest
 
@@ -77,7 +80,7 @@ def test_from_vllm_config_reads_additional_config_env_and_engine(
         enable_prefix_caching = False
 
     class Vllm:
-        additional_config = {"bidkv": {"strategy": "largest-first"}}
+        additional_config: ClassVar[dict[str, Any]] = {"bidkv": {"strategy": "largest-first"}}
         cache_config = Cache()
 
     monkeypatch.setenv("BIDKV_UTILITY_ENABLE", "1")

@@ -191,8 +191,8 @@ def test_loading_rules() -> None:
     assert isinstance(load_policy(NoArgs), NoArgs)
     instance = NoArgs()
     assert load_policy(instance) is instance
-    with pytest.raises(TypeError, match="^preemption_policy must resolve to an object implementing"
-                       " PreemptionPolicy$"):
+    with pytest.raises(TypeError, match=r"^preemption_policy must resolve to an object implementing"
+                       r" PreemptionPolicy$"):
         load_policy(object())
     with pytest.raises(ValueError, match="utility_completion_weight"):
         load_policy(Failing)

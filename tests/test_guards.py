@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from bidkv_ext.config import BidKVConfig
-from bidkv_ext.contract import PreemptionCandidate
 from bidkv_ext.controller import PolicyController
 from bidkv_ext.selector import BidkvPreemptionPolicy
 from tests.policy_helpers import cand, ctx
