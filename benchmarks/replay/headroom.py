@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/replay/headroom.py nopc [--traces DIR] [--no-write]
     .venv/bin/python benchmarks/replay/headroom.py pc   [--traces DIR] [--no-write]
+    .venv/bin/python benchmarks/replay/headroom.py rollout    [--horizon S] [--samples N]
+    .venv/bin/python benchmarks/replay/headroom.py rollout-pc [--horizon S] [--samples N]
 
 ``nopc``: issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off.
 This suite asks whether that is reachable by victim choice at all: it replays the two Azure
@@ -9,13 +11,20 @@ conversation cells without prefix caching over the five slices of ``run.py slice
 family of rules around LCF, including *oracle* rules that read each request's true
 remaining output (``--max-tokens exact`` makes ``max_tokens`` the trace length, so
 ``max_tokens - num_output_tokens`` is the truth). No online policy has that information,
-so the best oracle figure bounds what a smarter disruption estimate could buy here.
+so the best oracle figure bounds what a smarter estimate judging one decision at a time
+could buy here (``rollout`` looks ahead instead).
 
 ``pc``: with prefix caching the built-in victim beats LCF on recompute tax at moderate
 pressure while LCF keeps the lower P95 TTFT. This suite tries rules between the two on the
 two prefix-caching cells (vLLM's default cap, as in ``run.py slices``) and reports both
 metrics against the best peer of each slice. It also runs bidkv with a liveness threshold of
 2 (instead of 4) and the clairvoyant reference, to place the guard's own trade-off.
+
+``rollout`` and ``rollout-pc``: the same cells (without and with prefix caching) with a
+lookahead oracle (:class:`RolloutOracle`) that forks the replay at every decision, plays
+each option forward through the real scheduler and keeps the cheapest. It sees the real
+future, so it is not a policy; it measures how much victim choice can buy at all, which
+the greedy oracles above cannot (they judge each decision alone).
 
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
 in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
@@ -25,12 +34,18 @@ in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
+import os
+import random
 import statistics
+import struct
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 
@@ -45,6 +60,7 @@ from run import (  # noqa: E402
     over_slices,
     ratio_of,
     replay_arms,
+    took_line,
     write_section,
 )
 
@@ -202,6 +218,163 @@ class CappedLossHostTie(_Rule):
         )).request_id
 
 
+class _Rollout:
+    """Process-wide state of the lookahead oracle (see :class:`RolloutOracle`).
+
+    The oracle forks the whole replay at a decision, so a child must stop at its horizon
+    and report. The replay loop (``bidkv_ext.replay.engine._Loop``) has no hook for that,
+    so the oracle wraps it when the first instance is created: the loop's step model
+    (called once per step) checks the child's deadline, and its ``run`` reports when the
+    trace ends first. Nothing changes for a process that never creates the oracle.
+    """
+
+    horizon = float(os.environ.get("BIDKV_ROLLOUT_HORIZON", "20"))
+    width = int(os.environ.get("BIDKV_ROLLOUT_WIDTH", "4"))
+    # > 0: children do not see true output lengths; each option is played this many
+    # times, each time with freshly sampled lengths (see resample), and its costs averaged.
+    samples = int(os.environ.get("BIDKV_ROLLOUT_SAMPLES", "0"))
+    child = False
+    deadline = math.inf
+    report_fd = -1
+    loop: Any = None
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        from bidkv_ext.replay import engine
+
+        init, run = engine._Loop.__init__, engine._Loop.run
+
+        def loop_init(loop: Any, *args: Any, **kwargs: Any) -> None:
+            init(loop, *args, **kwargs)
+            cls.loop = loop
+            loop.model = _DeadlineModel(loop.model)
+
+        def loop_run(loop: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                run(loop, *args, **kwargs)
+            except BaseException:
+                if cls.child:  # never let a child reach the report writer
+                    cls.report(math.inf)
+                raise
+            if cls.child:
+                cls.report(cls.cost())
+
+        engine._Loop.__init__ = loop_init  # type: ignore[method-assign]
+        engine._Loop.run = loop_run  # type: ignore[method-assign]
+        cls.installed = True
+
+    @classmethod
+    def resample(cls, seed: int) -> None:
+        """Replace every unfinished request's output length by a draw from the window's
+        output lengths of requests with a similar prompt (same power-of-two bin: on the
+        Azure conversation trace the prompt length is the one online predictor of output
+        length), longer than what it has produced so far. Seeded per decision and sample,
+        so every option of one decision plays the same sampled futures."""
+        loop, rng = cls.loop, random.Random(seed)
+        pools: dict[int, list[int]] = {}
+        for r in loop.requests:
+            pools.setdefault(r.input_length.bit_length(), []).append(r.output_length)
+        everyone = sorted(r.output_length for r in loop.requests)
+        for pool in pools.values():
+            pool.sort()
+        lengths, tokens = loop.lengths, loop.tokens
+        for i, r in enumerate(loop.requests):
+            if not math.isnan(loop.finish[i]):  # finished: its length no longer matters
+                continue
+            so_far = tokens[i]
+            for pool in (pools[r.input_length.bit_length()], everyone):
+                longer = bisect.bisect_right(pool, so_far)
+                if longer < len(pool):
+                    lengths[i] = pool[rng.randrange(longer, len(pool))]
+                    break
+            else:
+                lengths[i] = so_far + 1
+
+    @classmethod
+    def cost(cls) -> float:
+        """Positions re-executed so far plus those still owed: every request that lost
+        work it has not yet redone will redo it (exact without prefix caching)."""
+        loop = cls.loop
+        owed = sum(m - p for m, p in zip(loop.mark, loop.position, strict=True) if m > p)
+        return float(loop.recomputed + owed)
+
+    @classmethod
+    def report(cls, cost: float) -> None:
+        os.write(cls.report_fd, struct.pack("d", cost))
+        os._exit(0)
+
+
+class _DeadlineModel:
+    """The loop's step model, plus the rollout child's stop at its horizon."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def step_seconds(self, prefill: int, decode: int, context: int) -> float:
+        seconds: float = self._model.step_seconds(prefill, decode, context)
+        if _Rollout.child and _Rollout.loop.clock.now + seconds >= _Rollout.deadline:
+            _Rollout.report(_Rollout.cost())
+        return seconds
+
+
+class RolloutOracle:
+    """Oracle: one-step lookahead over the real scheduler, LCF as the base policy.
+
+    At each decision the whole replay is forked once per option (the ``width`` least
+    computed candidates, the host's victim, the requester and the largest). Each child
+    preempts its option, continues with LCF for ``horizon`` simulated seconds and reports
+    its cost (:meth:`_Rollout.cost`); the parent keeps the cheapest option, LCF's unless
+    another is strictly cheaper. The children replay the real future (arrivals and true
+    output lengths), so this is clairvoyant: it shows how much a better victim choice
+    could buy, not what an online rule can. With ``samples`` > 0 the children see sampled
+    output lengths instead (:meth:`_Rollout.resample`), the most an online lookahead knows.
+    """
+
+    def __init__(self) -> None:
+        _Rollout.install()
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        cands = context.candidates
+        if not cands:
+            return None
+        order = sorted(range(len(cands)), key=lambda i: cands[i].num_computed_tokens)
+        base = cands[order[0]].request_id  # LCF: first minimal in running order
+        if _Rollout.child:
+            return base
+        options = [cands[i].request_id for i in order[: _Rollout.width]]
+        present = {c.request_id for c in cands}
+        for rid in (context.builtin_victim_id, context.requesting_request_id,
+                    cands[order[-1]].request_id):
+            if rid in present and rid not in options:
+                options.append(rid)  # type: ignore[arg-type]
+        children = []
+        seeds = range(_Rollout.samples) if _Rollout.samples else (None,)
+        for rid in options:
+            for seed in seeds:
+                read_fd, write_fd = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # the child: preempt this option, play the future with LCF
+                    os.close(read_fd)
+                    _Rollout.child, _Rollout.report_fd = True, write_fd
+                    _Rollout.deadline = context.now + _Rollout.horizon
+                    if seed is not None:
+                        _Rollout.resample(round(context.now * 1e6) + seed)
+                    return rid
+                os.close(write_fd)
+                children.append((rid, pid, read_fd))
+        costs = dict.fromkeys(options, 0.0)
+        for rid, pid, read_fd in children:
+            data = os.read(read_fd, 8)
+            os.close(read_fd)
+            os.waitpid(pid, 0)
+            costs[rid] += struct.unpack("d", data)[0] if len(data) == 8 else math.inf
+        best = min(options, key=lambda rid: costs[rid])
+        return best if costs[best] < costs[base] else base
+
+
 PC_PROBES = (LargeEnough256, LargeEnough512Newest, HostVictimIfLarge, CappedLossHostTie)
 PROBES = (
     OracleSkipFinishing,
@@ -225,17 +398,22 @@ SUITES = {
     "pc": (PC_CELLS, ("--duration", "300"),
            "builtin,least-computed-first,bidkv,bidkv{liveness_preemptions=2},clairvoyant",
            PC_PROBES, "headroom-pc"),
+    "rollout": (CELLS, ("--duration", "300", "--no-prefix-caching"),
+                "least-computed-first,bidkv", (RolloutOracle,), "headroom-rollout"),
+    "rollout-pc": (PC_CELLS, ("--duration", "300"), "builtin,least-computed-first,bidkv",
+                   (RolloutOracle,), "headroom-rollout-pc"),
 }
 
 
-def _replay(job: tuple[Path, str, str, int, Path]) -> Arms:
-    trace, suite, cell, start, out_root = job
+def _replay(job: tuple[Path, str, str, int, Path, bool, str]) -> Arms:
+    trace, suite, cell, start, out_root, reuse, tag = job
     cells, common, peers, probes, _ = SUITES[suite]
     argv = ["--trace", str(trace), *common, *cells[cell], "--start", str(start),
             "--policies", peers]
     for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
-    return replay_arms(argv, out_root / f"headroom-{cell}-{start}", f"{cell} at start {start}")
+    return replay_arms(argv, out_root / f"{tag}-{cell}-{start}", f"{cell} at start {start}",
+                       reuse)
 
 
 def _table(results: dict[str, list[Arms]]) -> str:
@@ -266,28 +444,71 @@ def _best_peer_table(results: dict[str, list[Arms]]) -> str:
     return "\n".join(lines)
 
 
+def _rollout_table(results: dict[str, list[Arms]], starts: Sequence[int]) -> str:
+    """Tax and P95 TTFT against LCF's, per slice and as the median."""
+    label = f"headroom:{RolloutOracle.__name__}"
+    lines = ["| cell | metric | " + " | ".join(f"start {s} s" for s in starts)
+             + " | median |", "|---|---|" + "---|" * (len(starts) + 1)]
+    for cell, runs in results.items():
+        for rule in ("bidkv", label):
+            for metric, name in (("tax", "tax / LCF"), ("p95", "P95 TTFT / LCF")):
+                ratios = [ratio_of(metric_of(r[rule], metric), metric_of(r[LCF], metric))
+                          for r in runs]
+                row = " | ".join(f"{x:.3f}" for x in ratios)
+                lines.append(f"| {cell} | {rule}: {name} | {row} | "
+                             f"{statistics.median(ratios):.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--traces", type=Path, default=ROOT.parents[1].parent / "shared" / "traces")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bidkv-headroom")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--reuse", action="store_true",
+                        help="re-render from the reports already under --out")
+    parser.add_argument("--starts", default=",".join(map(str, SLICE_STARTS)),
+                        help="slice starts in seconds (default: the five of run.py slices)")
+    parser.add_argument("--horizon", type=float, default=_Rollout.horizon,
+                        help="rollout: simulated seconds each child plays ahead")
+    parser.add_argument("--width", type=int, default=_Rollout.width,
+                        help="rollout: how many of the least computed candidates to try")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="rollout: hide true output lengths from the children and "
+                             "average this many sampled futures per option (0: clairvoyant)")
     args = parser.parse_args()
+    # Workers import this module afresh (as ``headroom``) and read these at import.
+    os.environ["BIDKV_ROLLOUT_HORIZON"] = str(args.horizon)
+    os.environ["BIDKV_ROLLOUT_WIDTH"] = str(args.width)
+    os.environ["BIDKV_ROLLOUT_SAMPLES"] = str(args.samples)
+    sampled = args.suite.startswith("rollout") and args.samples > 0
+    tag = f"{args.suite}-sampled" if sampled else args.suite
+    starts = [int(s) for s in args.starts.split(",")]
     trace = args.traces / "azure_llm_2023_conv.csv"
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
     results = over_slices(_replay, {
-        cell: [(trace, args.suite, cell, start, args.out) for start in SLICE_STARTS]
+        cell: [(trace, args.suite, cell, start, args.out, args.reuse, tag) for start in starts]
         for cell in cells
     })
-    table = _table(results) if args.suite == "nopc" else _best_peer_table(results)
+    if args.suite == "nopc":
+        table = _table(results)
+    elif args.suite == "rollout":
+        table = _rollout_table(results, starts)
+    else:
+        table = _best_peer_table(results)
+    oracle = ""
+    if args.suite.startswith("rollout"):
+        oracle = (f"; the oracle's horizon {args.horizon:g} s, width {args.width}, "
+                  + (f"{args.samples} sampled futures per option" if sampled
+                     else "true output lengths"))
     text = (table + f"\n\nSlices: 300 s windows starting at "
-            f"{', '.join(map(str, SLICE_STARTS))} s; knobs `{' '.join(common)}` plus the "
-            f"cell's `--num-gpu-blocks`.\n"
-            f"Total wall time: {time.perf_counter() - started:.0f} s.\n")
+            f"{', '.join(map(str, starts))} s; knobs `{' '.join(common)}` plus the "
+            f"cell's `--num-gpu-blocks`{oracle}.\n" + took_line(started, args.reuse))
     print(text)
     if not args.no_write:
-        write_section(marker, text)
+        write_section(f"{marker}-sampled" if sampled else marker, text)
     return 0
 
 

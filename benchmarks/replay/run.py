@@ -329,10 +329,10 @@ def run_slices(
             + f"Cells (knobs; the `--duration` shown is each slice's length):\n{knobs}\n"
             + "\nIssue 8 goals for the default `bidkv` arm (medians over slices of per-slice "
             + "ratios):\n"
-            + "\n".join(goals) + "\n\n" + _took(started, reuse))
+            + "\n".join(goals) + "\n\n" + took_line(started, reuse))
 
 
-def _took(started: float, reuse: bool) -> str:
+def took_line(started: float, reuse: bool) -> str:
     if reuse:
         return "Re-rendered from the reports saved by an earlier run (`--reuse`).\n"
     return f"Total wall time: {time.perf_counter() - started:.0f} s ({os.cpu_count()} workers).\n"

@@ -277,6 +277,9 @@ class _Loop:
         self.tokens = [0] * n
         self.preempted = [0] * n
         self.completions = [0] * n
+        # Output lengths that end requests; the lookahead oracle in
+        # benchmarks/replay/headroom.py resamples them in its forks.
+        self.lengths = [r.output_length for r in requests]
         self.fake_token = [prompts.fake_output_token(r) for r in requests]
         self.steps = 0
         self.computed = 0
@@ -310,7 +313,7 @@ class _Loop:
         # With a max_tokens cap the last token of a request is EOS, sampled at its length.
         eos_id: int = self.offline.EOS_TOKEN_ID
         stop_by_eos = self.settings.max_tokens != "exact"
-        lengths = [r.output_length for r in requests]
+        lengths = self.lengths
         first, finish, tokens = self.first, self.finish, self.tokens
         step_seconds = self.model.step_seconds
         elastic = self.elastic

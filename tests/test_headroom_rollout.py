@@ -1,0 +1,70 @@
+"""The lookahead oracle of ``benchmarks/replay/headroom.py`` (``rollout`` suites).
+
+Guards: the oracle forks the whole replay at each decision, so its children must stop and
+report without touching the parent's output, and the parent must keep the cheapest
+option. With an unbounded horizon each child plays its option to the end of the trace,
+and the replay is deterministic, so the oracle can never recompute more than LCF, its
+base policy (the rollout cost-improvement property); on the window below it recomputes
+strictly less, which fails if the children's costs did not reach the parent. With sampled
+output lengths the children rewrite lengths in their own copy only: the parent's requests
+still end at exactly their trace lengths. Runs the
+real ``bidkv-replay`` in a subprocess (the oracle forks; pytest's process must not be
+forked) through the real vLLM scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import HAVE_VLLM
+
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (real-scheduler tier)")
+
+REPO = Path(__file__).resolve().parents[1]
+ORACLE = "headroom:RolloutOracle"
+WINDOW = ["--max-requests", "80", "--num-gpu-blocks", "250",
+          "--no-prefix-caching", "--no-plots", "--no-progress"]
+
+
+def _replay(tmp_path: Path, **knobs: str) -> dict[str, Any]:
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "benchmarks" / "replay"), **knobs)
+    code = ("import sys; from bidkv_ext.replay.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", code, *WINDOW, "--policies", "least-computed-first",
+         "--policy-class", ORACLE, "--output-dir", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return report
+
+
+def test_oracle_never_recomputes_more_than_lcf_and_children_stay_silent(tmp_path: Path) -> None:
+    report = _replay(tmp_path, BIDKV_ROLLOUT_HORIZON="inf", BIDKV_ROLLOUT_WIDTH="3")
+    arms = {arm["label"]: arm for arm in report["arms"]}
+    assert list(arms) == ["least-computed-first", ORACLE]  # one report, both arms, in order
+    lcf, oracle = arms["least-computed-first"], arms[ORACLE]
+    for arm in (lcf, oracle):
+        assert arm["conservation"]["all_completed_once"], arm["label"]
+        assert arm["conservation"]["exact_output_lengths"], arm["label"]
+    assert lcf["preemptions"] > 0
+    assert oracle["controller"]["calls"] == oracle["preemptions"]
+    assert oracle["recomputed_tokens"] < lcf["recomputed_tokens"]
+
+
+def test_sampled_lengths_stay_in_the_children(tmp_path: Path) -> None:
+    report = _replay(tmp_path, BIDKV_ROLLOUT_HORIZON="5", BIDKV_ROLLOUT_WIDTH="1",
+                     BIDKV_ROLLOUT_SAMPLES="2")
+    oracle = {arm["label"]: arm for arm in report["arms"]}[ORACLE]
+    assert oracle["controller"]["calls"] > 0
+    assert oracle["conservation"]["all_completed_once"]
+    assert oracle["conservation"]["exact_output_lengths"]
