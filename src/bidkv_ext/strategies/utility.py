@@ -319,7 +319,7 @@ class UtilityStrategy:
             # preempted inside the window, and cut with that higher floor.
             inside = [candidates[i] for i in positions.tolist()]
             u0 = max(u0, self.utility(min(inside, key=_preempted_computed), need))
-            positions = positions[ranked[positions] <= self._limit(need, u0) + _SLACK]
+            positions = positions[self._cut(ranked[positions], need, u0)]
         where = positions.tolist()
         window = [candidates[i] for i in where]
         known.update(zip(map(id, window), where, strict=True))
