@@ -7,9 +7,8 @@ and the replay is deterministic, so the oracle can never recompute more than LCF
 base policy (the rollout cost-improvement property); on the window below it recomputes
 strictly less, which fails if the children's costs did not reach the parent. With sampled
 output lengths the children rewrite lengths in their own copy only: the parent's requests
-still end at exactly their trace lengths. Runs the
-real ``bidkv-replay`` in a subprocess (the oracle forks; pytest's process must not be
-forked) through the real vLLM scheduler.
+still end at exactly their trace lengths. Runs the real ``bidkv-replay`` in a subprocess
+(the oracle forks; pytest's process must not be forked) through the real vLLM scheduler.
 """
 
 from __future__ import annotations

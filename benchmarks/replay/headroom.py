@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 
@@ -237,6 +237,10 @@ class _Rollout:
     deadline = math.inf
     report_fd = -1
     loop: Any = None
+    # Output lengths sorted per prompt-length bin, and all of them (see resample); built
+    # once per replay in the parent, so the forks inherit them.
+    pools: ClassVar[dict[int, list[int]]] = {}
+    everyone: ClassVar[list[int]] = []
     installed = False
 
     @classmethod
@@ -251,6 +255,13 @@ class _Rollout:
             init(loop, *args, **kwargs)
             cls.loop = loop
             loop.model = _DeadlineModel(loop.model)
+            if cls.samples:
+                cls.pools = {}
+                for r in loop.requests:
+                    cls.pools.setdefault(_bin(r.input_length), []).append(r.output_length)
+                for pool in cls.pools.values():
+                    pool.sort()
+                cls.everyone = sorted(r.output_length for r in loop.requests)
 
         def loop_run(loop: Any, *args: Any, **kwargs: Any) -> None:
             try:
@@ -274,18 +285,12 @@ class _Rollout:
         length), longer than what it has produced so far. Seeded per decision and sample,
         so every option of one decision plays the same sampled futures."""
         loop, rng = cls.loop, random.Random(seed)
-        pools: dict[int, list[int]] = {}
-        for r in loop.requests:
-            pools.setdefault(r.input_length.bit_length(), []).append(r.output_length)
-        everyone = sorted(r.output_length for r in loop.requests)
-        for pool in pools.values():
-            pool.sort()
         lengths, tokens = loop.lengths, loop.tokens
         for i, r in enumerate(loop.requests):
             if not math.isnan(loop.finish[i]):  # finished: its length no longer matters
                 continue
             so_far = tokens[i]
-            for pool in (pools[r.input_length.bit_length()], everyone):
+            for pool in (cls.pools[_bin(r.input_length)], cls.everyone):
                 longer = bisect.bisect_right(pool, so_far)
                 if longer < len(pool):
                     lengths[i] = pool[rng.randrange(longer, len(pool))]
@@ -305,6 +310,11 @@ class _Rollout:
     def report(cls, cost: float) -> None:
         os.write(cls.report_fd, struct.pack("d", cost))
         os._exit(0)
+
+
+def _bin(prompt_tokens: int) -> int:
+    """The power-of-two prompt-length bin the sampled lengths are drawn from."""
+    return prompt_tokens.bit_length()
 
 
 class _DeadlineModel:
@@ -340,10 +350,10 @@ class RolloutOracle:
         cands = context.candidates
         if not cands:
             return None
-        order = sorted(range(len(cands)), key=lambda i: cands[i].num_computed_tokens)
-        base = cands[order[0]].request_id  # LCF: first minimal in running order
+        base = min(cands, key=_computed).request_id  # LCF: first minimal in running order
         if _Rollout.child:
             return base
+        order = sorted(range(len(cands)), key=lambda i: cands[i].num_computed_tokens)
         options = [cands[i].request_id for i in order[: _Rollout.width]]
         present = {c.request_id for c in cands}
         for rid in (context.builtin_victim_id, context.requesting_request_id,
