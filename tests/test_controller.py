@@ -82,10 +82,12 @@ def test_selection_and_abstention_counters() -> None:
 def test_invalid_answer_disables_for_good(answer: object, caplog: pytest.LogCaptureFixture) -> None:
     policy = Fixed(answer)
     controller = PolicyController(policy)
+    assert controller.policy is policy
     with caplog.at_level(logging.ERROR, logger="bidkv_ext.controller"):
         assert controller.select_victim(three()) == "c"
         assert controller.select_victim(three()) == "c"
     assert policy.calls == 1
+    assert controller.policy is None  # the built-in victim is in charge from now on
     s = controller.export_stats()
     assert (s["calls"], s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, 1, False)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]

@@ -45,9 +45,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+from bidkv_ext.replay.engine import ReplayState
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # workers import the probe rules as ``headroom:Name``
@@ -60,6 +61,8 @@ from run import (  # noqa: E402
     over_slices,
     ratio_of,
     replay_arms,
+    saved_reports,
+    slice_out,
     took_line,
     write_section,
 )
@@ -222,10 +225,9 @@ class _Rollout:
     """Process-wide state of the lookahead oracle (see :class:`RolloutOracle`).
 
     The oracle forks the whole replay at a decision, so a child must stop at its horizon
-    and report. The replay loop (``bidkv_ext.replay.engine._Loop``) has no hook for that,
-    so the oracle wraps it when the first instance is created: the loop's step model
-    (called once per step) checks the child's deadline, and its ``run`` reports when the
-    trace ends first. Nothing changes for a process that never creates the oracle.
+    and report. It follows the replay as a ``ReplayObserver`` (``bidkv_ext.replay.engine``):
+    after every step a child checks its deadline, and a child whose trace ends first
+    reports then.
     """
 
     horizon = float(os.environ.get("BIDKV_ROLLOUT_HORIZON", "20"))
@@ -236,46 +238,22 @@ class _Rollout:
     child = False
     deadline = math.inf
     report_fd = -1
-    loop: Any = None
+    loop: ReplayState
     # Output lengths sorted per prompt-length bin, and all of them (see resample); built
     # once per replay in the parent, so the forks inherit them.
     pools: ClassVar[dict[int, list[int]]] = {}
     everyone: ClassVar[list[int]] = []
-    installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls.installed:
-            return
-        from bidkv_ext.replay import engine
-
-        init, run = engine._Loop.__init__, engine._Loop.run
-
-        def loop_init(loop: Any, *args: Any, **kwargs: Any) -> None:
-            init(loop, *args, **kwargs)
-            cls.loop = loop
-            loop.model = _DeadlineModel(loop.model)
-            if cls.samples:
-                cls.pools = {}
-                for r in loop.requests:
-                    cls.pools.setdefault(_bin(r.input_length), []).append(r.output_length)
-                for pool in cls.pools.values():
-                    pool.sort()
-                cls.everyone = sorted(r.output_length for r in loop.requests)
-
-        def loop_run(loop: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                run(loop, *args, **kwargs)
-            except BaseException:
-                if cls.child:  # never let a child reach the report writer
-                    cls.report(math.inf)
-                raise
-            if cls.child:
-                cls.report(cls.cost())
-
-        engine._Loop.__init__ = loop_init  # type: ignore[method-assign]
-        engine._Loop.run = loop_run  # type: ignore[method-assign]
-        cls.installed = True
+    def start(cls, loop: ReplayState) -> None:
+        cls.loop = loop
+        if cls.samples:
+            cls.pools = {}
+            for r in loop.requests:
+                cls.pools.setdefault(_bin(r.input_length), []).append(r.output_length)
+            for pool in cls.pools.values():
+                pool.sort()
+            cls.everyone = sorted(r.output_length for r in loop.requests)
 
     @classmethod
     def resample(cls, seed: int) -> None:
@@ -317,19 +295,6 @@ def _bin(prompt_tokens: int) -> int:
     return prompt_tokens.bit_length()
 
 
-class _DeadlineModel:
-    """The loop's step model, plus the rollout child's stop at its horizon."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-
-    def step_seconds(self, prefill: int, decode: int, context: int) -> float:
-        seconds: float = self._model.step_seconds(prefill, decode, context)
-        if _Rollout.child and _Rollout.loop.clock.now + seconds >= _Rollout.deadline:
-            _Rollout.report(_Rollout.cost())
-        return seconds
-
-
 class RolloutOracle:
     """Oracle: one-step lookahead over the real scheduler, LCF as the base policy.
 
@@ -343,8 +308,16 @@ class RolloutOracle:
     output lengths instead (:meth:`_Rollout.resample`), the most an online lookahead knows.
     """
 
-    def __init__(self) -> None:
-        _Rollout.install()
+    def replay_started(self, state: ReplayState) -> None:
+        _Rollout.start(state)
+
+    def replay_stepped(self, now: float) -> None:
+        if _Rollout.child and now >= _Rollout.deadline:
+            _Rollout.report(_Rollout.cost())
+
+    def replay_ended(self, error: BaseException | None) -> None:
+        if _Rollout.child:  # never let a child reach the report writer
+            _Rollout.report(math.inf if error is not None else _Rollout.cost())
 
     def select_victim(self, context: PreemptionContext) -> str | None:
         cands = context.candidates
@@ -422,7 +395,7 @@ def _replay(job: tuple[Path, str, str, int, Path, bool, str]) -> Arms:
             "--policies", peers]
     for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
-    return replay_arms(argv, out_root / f"{tag}-{cell}-{start}", f"{cell} at start {start}",
+    return replay_arms(argv, slice_out(out_root, tag, cell, start), f"{cell} at start {start}",
                        reuse)
 
 
@@ -498,6 +471,8 @@ def main() -> int:
     trace = args.traces / "azure_llm_2023_conv.csv"
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
+    saved = saved_reports((slice_out(args.out, tag, cell, start)
+                           for cell in cells for start in starts), args.reuse)
     results = over_slices(_replay, {
         cell: [(trace, args.suite, cell, start, args.out, args.reuse, tag) for start in starts]
         for cell in cells
@@ -515,7 +490,7 @@ def main() -> int:
                      else "true output lengths"))
     text = (table + f"\n\nSlices: 300 s windows starting at "
             f"{', '.join(map(str, starts))} s; knobs `{' '.join(common)}` plus the "
-            f"cell's `--num-gpu-blocks`{oracle}.\n" + took_line(started, args.reuse))
+            f"cell's `--num-gpu-blocks`{oracle}.\n" + took_line(started, saved))
     print(text)
     if not args.no_write:
         write_section(f"{marker}-sampled" if sampled else marker, text)

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +185,17 @@ def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> st
     return text + f"\nTotal wall time: {took:.0f} s.\n"
 
 
+def slice_out(out_root: Path, tag: str, cell: str, start: int) -> Path:
+    """Where one cell's replay of the slice at ``start`` keeps its report."""
+    return out_root / f"{tag}-{cell}-{start}"
+
+
+def saved_reports(outs: Iterable[Path], reuse: bool) -> tuple[int, int]:
+    """(reports ``--reuse`` will read, slices in all); call before replaying."""
+    outs = list(outs)
+    return (sum((out / "report.json").is_file() for out in outs) if reuse else 0), len(outs)
+
+
 def replay_arms(argv: list[str], out: Path, what: str, reuse: bool = False) -> Arms:
     """Replay ``argv`` into ``out`` and return its arms by label. With ``reuse`` a report
     already in ``out`` is read instead of replaying."""
@@ -209,7 +220,7 @@ def _replay_slice(job: tuple[str, Path, Cell, int, Path, bool]) -> Arms:
     suite, traces, cell, start, out_root, reuse = job
     argv = ["--trace", str(traces / cell.trace), *cell.args, "--start", str(start),
             "--policies", SUITES[suite]]
-    return replay_arms(argv, out_root / f"{suite}-{cell.name}-{start}",
+    return replay_arms(argv, slice_out(out_root, suite, cell.name, start),
                        f"{cell.name} at start {start}", reuse)
 
 
@@ -310,6 +321,8 @@ def run_slices(
     started = time.perf_counter()
     jobs = {cell.name: [(suite, traces, cell, start, out_root, reuse) for start in SLICE_STARTS]
             for cell in cells}
+    saved = saved_reports((slice_out(out_root, suite, cell.name, start)
+                           for cell in cells for start in SLICE_STARTS), reuse)
     results = over_slices(_replay_slice, jobs)
     rows: list[str] = []
     goals: list[str] = []
@@ -329,13 +342,20 @@ def run_slices(
             + f"Cells (knobs; the `--duration` shown is each slice's length):\n{knobs}\n"
             + "\nIssue 8 goals for the default `bidkv` arm (medians over slices of per-slice "
             + "ratios):\n"
-            + "\n".join(goals) + "\n\n" + took_line(started, reuse))
+            + "\n".join(goals) + "\n\n" + took_line(started, saved))
 
 
-def took_line(started: float, reuse: bool) -> str:
-    if reuse:
+def took_line(started: float, saved: tuple[int, int]) -> str:
+    """How the figures were made: ``saved`` is :func:`saved_reports`'s answer."""
+    reused, total = saved
+    if total and reused == total:
         return "Re-rendered from the reports saved by an earlier run (`--reuse`).\n"
-    return f"Total wall time: {time.perf_counter() - started:.0f} s ({os.cpu_count()} workers).\n"
+    took = (f"Total wall time: {time.perf_counter() - started:.0f} s "
+            f"({os.cpu_count()} workers)")
+    if reused:
+        return (f"{took} for {total - reused} of {total} replays; {reused} read from the "
+                "reports saved by an earlier run (`--reuse`).\n")
+    return f"{took}.\n"
 
 
 def write_section(suite: str, text: str) -> None:

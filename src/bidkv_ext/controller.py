@@ -142,6 +142,11 @@ class PolicyController:
         return self._stats.enabled
 
     @property
+    def policy(self) -> PreemptionPolicy | None:
+        """The policy in charge; None for the built-in victim, also after a fallback."""
+        return self._policy
+
+    @property
     def wants_facts(self) -> bool:
         """True when the policy takes host facts; only then should a host compute them."""
         if self._select_with_facts is None:

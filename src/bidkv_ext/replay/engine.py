@@ -22,17 +22,23 @@ before each step (kvcached semantics, see :mod:`bidkv_ext.replay.capacity`) and,
 ``capacity_signals`` on, is registered as the ``kvcached_provider.signals`` source for the
 arm (unregistered when the arm ends, also on errors). When nothing can be scheduled the
 clock jumps to the next arrival or the next capacity change, whichever comes first.
+
+Observers: a policy that also implements :class:`ReplayObserver` follows the replay it
+decides in: it sees the loop's state (:class:`ReplayState`) before the first step, the
+clock after every step, and the end of the replay. Only benchmarks use this (the lookahead
+oracle of ``benchmarks/replay/headroom.py`` forks the replay and must stop its forks at a
+horizon); the vLLM-HUST contract has no such call, and no shipped policy implements it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from bidkv_ext.replay.arms import Arm
 from bidkv_ext.replay.steptime import StepTimeModel
@@ -45,7 +51,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ArmRun",
     "ReplayError",
+    "ReplayObserver",
     "ReplaySettings",
+    "ReplayState",
     "RequestOutcome",
     "run_arm",
 ]
@@ -57,6 +65,34 @@ class ReplayError(RuntimeError):
 
 class Progress(Protocol):
     def update(self, n: int = 1) -> object: ...
+
+
+class ReplayState(Protocol):
+    """What an observer may read of the replay loop: lists indexed by trace position."""
+
+    requests: Sequence[TraceRequest]
+    # Output lengths that end requests (by EOS, under the default ``max_tokens="model-len"``);
+    # an observer may rewrite an unfinished request's entry to end it elsewhere.
+    lengths: list[int]
+    tokens: list[int]  # output tokens produced so far
+    finish: list[float]  # simulated finish time, NaN while unfinished
+    mark: list[int]  # high-water mark of computed positions
+    position: list[int]  # computed positions now (0 after a preemption)
+    recomputed: int  # positions re-executed so far, over all requests
+
+
+@runtime_checkable
+class ReplayObserver(Protocol):
+    """Optional methods of a policy that follows the replay it decides in (see module doc)."""
+
+    def replay_started(self, state: ReplayState) -> None:
+        """Before the first step."""
+
+    def replay_stepped(self, now: float) -> None:
+        """After every step that ran the model, with the clock already advanced."""
+
+    def replay_ended(self, error: BaseException | None) -> None:
+        """After the last step, or with the error that stopped the replay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,11 +225,13 @@ def run_arm(
     )
     prompts = PromptFactory(settings.seed)
     elastic = _elastic_pool(scheduler, requests, settings)
+    policy = scheduler.controller.policy
+    observer = policy if isinstance(policy, ReplayObserver) else None
     with _simulated_clock(sched_module) as clock, _published(elastic, settings):
         started = time.perf_counter()
         state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock,
                       elastic)
-        state.run(ModelRunnerOutput, progress)
+        _observed_run(state, observer, ModelRunnerOutput, progress)
         wall = time.perf_counter() - started
     capacity = None
     if elastic is not None:
@@ -216,6 +254,22 @@ def run_arm(
         wall_seconds=wall,
         capacity=capacity,
     )
+
+
+def _observed_run(
+    state: _Loop, observer: ReplayObserver | None, runner_output_cls: Any,
+    progress: Progress | None,
+) -> None:
+    if observer is None:
+        state.run(runner_output_cls, progress)
+        return
+    observer.replay_started(state)
+    try:
+        state.run(runner_output_cls, progress, stepped=observer.replay_stepped)
+    except BaseException as exc:
+        observer.replay_ended(exc)
+        raise
+    observer.replay_ended(None)
 
 
 def _elastic_pool(
@@ -277,8 +331,8 @@ class _Loop:
         self.tokens = [0] * n
         self.preempted = [0] * n
         self.completions = [0] * n
-        # Output lengths that end requests; the lookahead oracle in
-        # benchmarks/replay/headroom.py resamples them in its forks.
+        # Output lengths that end requests; an observer may rewrite them (the lookahead
+        # oracle in benchmarks/replay/headroom.py resamples them in its forks).
         self.lengths = [r.output_length for r in requests]
         self.fake_token = [prompts.fake_output_token(r) for r in requests]
         self.steps = 0
@@ -303,7 +357,12 @@ class _Loop:
             )
         )
 
-    def run(self, runner_output_cls: Any, progress: Progress | None) -> None:
+    def run(
+        self,
+        runner_output_cls: Any,
+        progress: Progress | None,
+        stepped: Callable[[float], None] | None = None,
+    ) -> None:
         requests = self.requests
         n = len(requests)
         scheduler = self.scheduler
@@ -375,6 +434,8 @@ class _Loop:
             self.computed += out.total_num_scheduled_tokens
             now += step_seconds(prefill, decode, context)
             self.clock.now = now
+            if stepped is not None:
+                stepped(now)
             runner_output = runner_output_cls(
                 req_ids=req_ids,
                 req_id_to_index={rid: j for j, rid in enumerate(req_ids)},
