@@ -9,6 +9,8 @@ strictly less, which fails if the children's costs did not reach the parent. Wit
 output lengths the children rewrite lengths in their own copy only: the parent's requests
 still end at exactly their trace lengths. Runs the real ``bidkv-replay`` in a subprocess
 (the oracle forks; pytest's process must not be forked) through the real vLLM scheduler.
+Each ``--objective`` keeps the option it names (``tax-no-later`` never one that makes
+requests wait longer than LCF's), and LCF's choice unless another is strictly better.
 """
 
 from __future__ import annotations
@@ -67,3 +69,26 @@ def test_sampled_lengths_stay_in_the_children(tmp_path: Path) -> None:
     assert oracle["controller"]["calls"] > 0
     assert oracle["conservation"]["all_completed_once"]
     assert oracle["conservation"]["exact_output_lengths"]
+
+
+@pytest.mark.parametrize(
+    ("objective", "chosen"),
+    [("tax", "cheap-slow"), ("wait", "fast"), ("tax-no-later", "cheap-prompt")],
+)
+def test_each_objective_keeps_its_option_and_lcf_unless_strictly_better(
+    monkeypatch: pytest.MonkeyPatch, objective: str, chosen: str
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "replay"))
+    from headroom import _Rollout
+
+    monkeypatch.setattr(_Rollout, "objective", objective)
+    costs = {  # option: [tax, wait]
+        "lcf": [100.0, 50.0],
+        "cheap-slow": [10.0, 60.0],  # least tax, but requests wait longer than under LCF
+        "cheap-prompt": [40.0, 50.0],  # less tax, waits no longer than LCF
+        "fast": [200.0, 20.0],
+    }
+    assert _Rollout.choose("lcf", costs) == chosen
+    # LCF is kept on a tie: an option has to be strictly better to displace it.
+    tie = {"lcf": [100.0, 50.0], "same": [100.0, 50.0]}
+    assert _Rollout.choose("lcf", tie) == "lcf"

@@ -75,6 +75,7 @@ class ReplayState(Protocol):
     # an observer may rewrite an unfinished request's entry to end it elsewhere.
     lengths: list[int]
     tokens: list[int]  # output tokens produced so far
+    first: list[float]  # simulated time of the first output token, NaN before it
     finish: list[float]  # simulated finish time, NaN while unfinished
     mark: list[int]  # high-water mark of computed positions
     position: list[int]  # computed positions now (0 after a preemption)
