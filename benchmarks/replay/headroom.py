@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import os
 import random
@@ -240,6 +241,8 @@ class _Rollout:
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
     samples = int(os.environ.get("BIDKV_ROLLOUT_SAMPLES", "0"))
     objective = os.environ.get("BIDKV_ROLLOUT_OBJECTIVE", "tax")  # see choose
+    # A path: the parent appends one JSON line per decision (options, their costs, choice).
+    log = os.environ.get("BIDKV_ROLLOUT_LOG", "")
     child = False
     deadline = math.inf
     report_fd = -1
@@ -381,7 +384,27 @@ class RolloutOracle:
             tax, wait = struct.unpack("dd", data) if len(data) == 16 else (math.inf, math.inf)
             costs[rid][0] += tax
             costs[rid][1] += wait
-        return _Rollout.choose(base, costs)
+        chosen = _Rollout.choose(base, costs)
+        if _Rollout.log:
+            _log_decision(context, base, chosen, costs)
+        return chosen
+
+
+def _log_decision(
+    context: PreemptionContext, base: str, chosen: str, costs: dict[str, list[float]]
+) -> None:
+    by_id = {c.request_id: c for c in context.candidates}
+    options = [{
+        "id": rid, "tax": tax, "wait": wait,
+        "computed": by_id[rid].num_computed_tokens, "prompt": by_id[rid].num_prompt_tokens,
+        "output": by_id[rid].num_output_tokens, "preemptions": by_id[rid].num_preemptions,
+        "arrival": by_id[rid].arrival_time,
+    } for rid, (tax, wait) in costs.items()]
+    line = {"now": context.now, "base": base, "chosen": chosen,
+            "requester": context.requesting_request_id, "builtin": context.builtin_victim_id,
+            "candidates": len(context.candidates), "options": options}
+    with open(_Rollout.log, "a") as out:
+        out.write(json.dumps(line) + "\n")
 
 
 PC_PROBES = (LargeEnough256, LargeEnough512Newest, HostVictimIfLarge, CappedLossHostTie)
