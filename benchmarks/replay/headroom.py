@@ -31,8 +31,9 @@ token, or tax among the options that wait no longer than LCF's (``tax-no-later``
 victim choice lower the tax without costing TTFT?).
 
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
-in the bundle. Results go between the ``headroom`` / ``headroom-pc`` markers of
-``README.md``.
+in the bundle. Results go between the suite's markers in ``README.md`` (``headroom``,
+``headroom-pc``, ``headroom-rollout``, ``headroom-rollout-pc``; a rollout with another
+objective or sampled lengths appends ``-<objective>`` and ``-sampled``).
 """
 
 from __future__ import annotations
