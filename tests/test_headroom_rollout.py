@@ -11,6 +11,8 @@ still end at exactly their trace lengths. Runs the real ``bidkv-replay`` in a su
 (the oracle forks; pytest's process must not be forked) through the real vLLM scheduler.
 Each ``--objective`` keeps the option it names (``tax-no-later`` never one that makes
 requests wait longer than LCF's), and LCF's choice unless another is strictly better.
+A malformed ``BIDKV_ROLLOUT_*`` knob stops the replay with one line naming it, before any
+report is written.
 """
 
 from __future__ import annotations
@@ -92,3 +94,24 @@ def test_each_objective_keeps_its_option_and_lcf_unless_strictly_better(
     # LCF is kept on a tie: an option has to be strictly better to displace it.
     tie = {"lcf": [100.0, 50.0], "same": [100.0, 50.0]}
     assert _Rollout.choose("lcf", tie) == "lcf"
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "expected"),
+    [("BIDKV_ROLLOUT_OBJECTIVE", "cheapest", "one of tax, wait, tax-no-later"),
+     ("BIDKV_ROLLOUT_WIDTH", "four", "a whole number of candidates")],
+)
+def test_a_bad_knob_stops_with_one_line_naming_it(
+    tmp_path: Path, knob: str, value: str, expected: str
+) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "benchmarks" / "replay"), **{knob: value})
+    done = subprocess.run(
+        [sys.executable, "-c", "import bidkv_ext.replay.cli as c, sys; "
+         "sys.exit(c.main(sys.argv[1:]))", *WINDOW, "--policy-class", ORACLE,
+         "--output-dir", str(tmp_path / "out")],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == f"{knob}: expected {expected}, got {value!r}"
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out" / "report.json").exists()

@@ -51,7 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 from bidkv_ext.replay.engine import ReplayState
@@ -227,6 +227,25 @@ class CappedLossHostTie(_Rule):
         )).request_id
 
 
+OBJECTIVES = ("tax", "wait", "tax-no-later")  # see _Rollout.choose
+_T = TypeVar("_T")
+
+
+def _objective(text: str) -> str:
+    if text not in OBJECTIVES:
+        raise ValueError(text)
+    return text
+
+
+def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> _T:
+    """A rollout knob from the environment; a bad value stops with one line naming it."""
+    raw = os.environ.get(name, default)
+    try:
+        return parse(raw)
+    except ValueError:
+        raise SystemExit(f"{name}: expected {expected}, got {raw!r}") from None
+
+
 class _Rollout:
     """Process-wide state of the lookahead oracle (see :class:`RolloutOracle`).
 
@@ -236,12 +255,13 @@ class _Rollout:
     reports then.
     """
 
-    horizon = float(os.environ.get("BIDKV_ROLLOUT_HORIZON", "20"))
-    width = int(os.environ.get("BIDKV_ROLLOUT_WIDTH", "4"))
+    horizon = _env("BIDKV_ROLLOUT_HORIZON", "20", float, "a number of seconds")
+    width = _env("BIDKV_ROLLOUT_WIDTH", "4", int, "a whole number of candidates")
     # > 0: children do not see true output lengths; each option is played this many
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
-    samples = int(os.environ.get("BIDKV_ROLLOUT_SAMPLES", "0"))
-    objective = os.environ.get("BIDKV_ROLLOUT_OBJECTIVE", "tax")  # see choose
+    samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", int, "a whole number of futures")
+    objective = _env("BIDKV_ROLLOUT_OBJECTIVE", "tax", _objective,
+                     "one of " + ", ".join(OBJECTIVES))
     # A path: the parent appends one JSON line per decision (options, their costs, choice).
     log = os.environ.get("BIDKV_ROLLOUT_LOG", "")
     child = False
@@ -510,7 +530,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=0,
                         help="rollout: hide true output lengths from the children and "
                              "average this many sampled futures per option (0: clairvoyant)")
-    parser.add_argument("--objective", choices=("tax", "wait", "tax-no-later"), default="tax",
+    parser.add_argument("--objective", choices=OBJECTIVES, default="tax",
                         help="rollout: what the oracle minimises (recompute tax; the "
                              "seconds requests wait for their first token; or tax among "
                              "the options that wait no longer than LCF's)")
