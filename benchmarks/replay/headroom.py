@@ -513,6 +513,14 @@ def _rollout_table(results: dict[str, list[Arms]], starts: Sequence[int]) -> str
     return "\n".join(lines)
 
 
+def _starts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole seconds such as 0,1400, got {text!r}") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suite", choices=sorted(SUITES))
@@ -521,8 +529,9 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--reuse", action="store_true",
                         help="re-render from the reports already under --out")
-    parser.add_argument("--starts", default=",".join(map(str, SLICE_STARTS)),
-                        help="slice starts in seconds (default: the five of run.py slices)")
+    parser.add_argument("--starts", type=_starts, default=list(SLICE_STARTS),
+                        help="comma-separated slice starts in whole seconds (default: the "
+                             "five of run.py slices)")
     parser.add_argument("--horizon", type=float, default=_Rollout.horizon,
                         help="rollout: simulated seconds each child plays ahead")
     parser.add_argument("--width", type=int, default=_Rollout.width,
@@ -545,12 +554,11 @@ def main() -> int:
     variant = (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
         "-sampled" if sampled else "")
     tag = args.suite + variant
-    starts = [int(s) for s in args.starts.split(",")]
+    starts = args.starts
     trace = args.traces / "azure_llm_2023_conv.csv"
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
-    saved = saved_reports((slice_out(args.out, tag, cell, start)
-                           for cell in cells for start in starts), args.reuse)
+    saved = saved_reports(args.out, tag, cells, starts, args.reuse)
     results = over_slices(_replay, {
         cell: [(trace, args.suite, cell, start, args.out, args.reuse, tag) for start in starts]
         for cell in cells

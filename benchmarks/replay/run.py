@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,9 +190,12 @@ def slice_out(out_root: Path, tag: str, cell: str, start: int) -> Path:
     return out_root / f"{tag}-{cell}-{start}"
 
 
-def saved_reports(outs: Iterable[Path], reuse: bool) -> tuple[int, int]:
-    """(reports ``--reuse`` will read, slices in all); call before replaying."""
-    outs = list(outs)
+def saved_reports(
+    out_root: Path, tag: str, cells: Iterable[str], starts: Sequence[int], reuse: bool
+) -> tuple[int, int]:
+    """(reports ``--reuse`` will read, replays in all) for every cell on every slice;
+    call before replaying."""
+    outs = [slice_out(out_root, tag, cell, start) for cell in cells for start in starts]
     return (sum((out / "report.json").is_file() for out in outs) if reuse else 0), len(outs)
 
 
@@ -321,8 +324,7 @@ def run_slices(
     started = time.perf_counter()
     jobs = {cell.name: [(suite, traces, cell, start, out_root, reuse) for start in SLICE_STARTS]
             for cell in cells}
-    saved = saved_reports((slice_out(out_root, suite, cell.name, start)
-                           for cell in cells for start in SLICE_STARTS), reuse)
+    saved = saved_reports(out_root, suite, (c.name for c in cells), SLICE_STARTS, reuse)
     results = over_slices(_replay_slice, jobs)
     rows: list[str] = []
     goals: list[str] = []
