@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/replay/headroom.py rollout    [--horizon S] [--samples N]
     .venv/bin/python benchmarks/replay/headroom.py rollout-pc [--horizon S] [--samples N]
                                                   [--objective tax|wait|tax-no-later]
+    .venv/bin/python benchmarks/replay/headroom.py rollout-mooncake [same options]
 
 ``nopc``: issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off.
 This suite asks whether that is reachable by victim choice at all: it replays the two Azure
@@ -28,11 +29,13 @@ future, so it is not a policy; it measures how much victim choice can buy at all
 the greedy oracles above cannot (they judge each decision alone). ``--objective`` says
 what "cheapest" means: recompute tax (default), the seconds requests wait for their first
 token, or tax among the options that wait no longer than LCF's (``tax-no-later``: can any
-victim choice lower the tax without costing TTFT?).
+victim choice lower the tax without costing TTFT?). ``rollout-mooncake`` runs the same
+oracle on the two Mooncake cells of ``run.py slices`` (prefix caching on).
 
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
 in the bundle. Results go between the suite's markers in ``README.md`` (``headroom``,
-``headroom-pc``, ``headroom-rollout``, ``headroom-rollout-pc``; a rollout with another
+``headroom-pc``, ``headroom-rollout``, ``headroom-rollout-pc``,
+``headroom-rollout-mooncake``; a rollout with another
 objective or sampled lengths appends ``-<objective>`` and ``-sampled``).
 """
 
@@ -60,9 +63,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # workers import the probe rules as ``headroom:Name``
 from run import (  # noqa: E402
     BUILTIN,
+    CONV,
     LCF,
+    MOON,
+    SLICE_CELLS,
     SLICE_STARTS,
     Arms,
+    Cell,
     metric_of,
     over_slices,
     ratio_of,
@@ -74,10 +81,10 @@ from run import (  # noqa: E402
 )
 
 Key = Callable[[PreemptionCandidate], float]
-CELLS = {
-    "conv-nopc-moderate": ("--num-gpu-blocks", "1600"),
-    "conv-nopc-heavy": ("--num-gpu-blocks", "1000"),
-}
+CELLS = (
+    Cell("conv-nopc-moderate", CONV, ("--num-gpu-blocks", "1600")),
+    Cell("conv-nopc-heavy", CONV, ("--num-gpu-blocks", "1000")),
+)
 COMMON = ("--duration", "300", "--no-prefix-caching", "--max-tokens", "exact")
 
 
@@ -441,10 +448,13 @@ PROBES = (
     LeastLostPerFreedBlock,
 )
 PEERS = "builtin,least-computed-first,bidkv,clairvoyant"
-PC_CELLS = {
-    "conv-pc-moderate": ("--num-gpu-blocks", "1200"),
-    "conv-pc-heavy": ("--num-gpu-blocks", "600"),
-}
+PC_CELLS = (
+    Cell("conv-pc-moderate", CONV, ("--num-gpu-blocks", "1200")),
+    Cell("conv-pc-heavy", CONV, ("--num-gpu-blocks", "600")),
+)
+# The Mooncake cells of ``run.py slices`` (prefix caching on; their knobs include
+# ``--duration``).
+MOONCAKE_CELLS = tuple(c for c in SLICE_CELLS if c.trace == MOON)
 SUITES = {
     # suite: (cells, common knobs, peer arms, probe classes, README marker)
     "nopc": (CELLS, COMMON, PEERS, PROBES, "headroom"),
@@ -455,18 +465,21 @@ SUITES = {
                 "least-computed-first,bidkv", (RolloutOracle,), "headroom-rollout"),
     "rollout-pc": (PC_CELLS, ("--duration", "300"), "builtin,least-computed-first,bidkv",
                    (RolloutOracle,), "headroom-rollout-pc"),
+    "rollout-mooncake": (MOONCAKE_CELLS, (),
+                         "builtin,least-computed-first,bidkv", (RolloutOracle,),
+                         "headroom-rollout-mooncake"),
 }
 
 
-def _replay(job: tuple[Path, str, str, int, Path, bool, str]) -> Arms:
-    trace, suite, cell, start, out_root, reuse, tag = job
-    cells, common, peers, probes, _ = SUITES[suite]
-    argv = ["--trace", str(trace), *common, *cells[cell], "--start", str(start),
+def _replay(job: tuple[Path, str, Cell, int, Path, bool, str]) -> Arms:
+    traces, suite, cell, start, out_root, reuse, tag = job
+    _, common, peers, probes, _ = SUITES[suite]
+    argv = ["--trace", str(traces / cell.trace), *common, *cell.args, "--start", str(start),
             "--policies", peers]
     for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
-    return replay_arms(argv, slice_out(out_root, tag, cell, start), f"{cell} at start {start}",
-                       reuse)
+    return replay_arms(argv, slice_out(out_root, tag, cell.name, start),
+                       f"{cell.name} at start {start}", reuse)
 
 
 def _table(results: dict[str, list[Arms]]) -> str:
@@ -555,12 +568,12 @@ def main() -> int:
         "-sampled" if sampled else "")
     tag = args.suite + variant
     starts = args.starts
-    trace = args.traces / "azure_llm_2023_conv.csv"
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
-    saved = saved_reports(args.out, tag, cells, starts, args.reuse)
+    saved = saved_reports(args.out, tag, (c.name for c in cells), starts, args.reuse)
     results = over_slices(_replay, {
-        cell: [(trace, args.suite, cell, start, args.out, args.reuse, tag) for start in starts]
+        cell.name: [(args.traces, args.suite, cell, start, args.out, args.reuse, tag)
+                    for start in starts]
         for cell in cells
     })
     if args.suite == "nopc":
@@ -575,9 +588,11 @@ def main() -> int:
                   f"width {args.width}, "
                   + (f"{args.samples} sampled futures per option" if sampled
                      else "true output lengths"))
+    knobs = "; ".join(f"{c.name}: `{c.trace}` `{' '.join(c.args)}`" for c in cells)
+    shared = f"`{' '.join(common)}` plus " if common else ""
     text = (table + f"\n\nSlices: 300 s windows starting at "
-            f"{', '.join(map(str, starts))} s; knobs `{' '.join(common)}` plus the "
-            f"cell's `--num-gpu-blocks`{oracle}.\n" + took_line(started, saved))
+            f"{', '.join(map(str, starts))} s; knobs {shared}the cell's ({knobs})"
+            f"{oracle}.\n" + took_line(started, saved))
     print(text)
     if not args.no_write:
         write_section(marker + variant, text)
