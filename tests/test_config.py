@@ -3,6 +3,8 @@ the source."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -20,6 +22,20 @@ def test_defaults_are_inert_and_kill_switch_wins() -> None:
     killed = BidkvPreemptionPolicy(BidKVConfig(enabled=True, kill_switch=True))
     assert killed.select_victim(context) is None
     assert BidkvPreemptionPolicy(BidKVConfig(enabled=True)).select_victim(context) is not None
+
+
+def test_manifest_activation_restates_the_defaults() -> None:
+    """The bundle's activation environment only switches the policy on: every other value
+    it sets is the config default, so a manager launch and a direct load behave alike (and
+    a changed default cannot leave the manifest behind)."""
+    root = Path(__file__).resolve().parents[1]
+    manifest = root / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json"
+    environment = json.loads(manifest.read_text())["activation"]["environment"]
+    launched = BidKVConfig.from_sources(None, environment)
+    assert launched.is_active
+    assert launched == BidKVConfig(enabled=True)
+    assert BidKVConfig().liveness_preemptions == int(
+        environment["BIDKV_UTILITY_LIVENESS_PREEMPTIONS"])
 
 
 def test_environment_then_additional_config_precedence() -> None:

@@ -44,7 +44,7 @@ class BidKVConfig(BaseModel):
     kill_switch: bool = False
     strategy: str = "bidkv"
     seed: int = 0
-    liveness_preemptions: NonNegInt = 4
+    liveness_preemptions: NonNegInt = 8
     cascade_gain_ratio: Annotated[float, Field(ge=1.0)] = 1.25
     epsilon: Annotated[float, Field(gt=0.0)] = 1e-3
     default_max_tokens: Annotated[int, Field(gt=0)] = 1024
