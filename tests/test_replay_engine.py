@@ -1,10 +1,11 @@
 """``bidkv-replay`` through the real vLLM 0.33.0 scheduler (skips only without vLLM).
 
 Guards: conservation (every request completes exactly once with exactly its trace output
-length, no KV block leaks) under real preemption for several arms; byte-identical
-``report.json`` for the same seed; metrics taken from the scheduler's real events equal
-hand-computed values on a 5-request trace; with prefix caching off every position is
-executed once plus exactly the recomputed ones; the clairvoyant arm is marked a reference.
+length, no KV block leaks, every victim back once per preemption) under real preemption
+for several arms; byte-identical ``report.json`` for the same seed; metrics taken from the
+scheduler's real events equal hand-computed values on a 5-request trace (idle KV
+included); with prefix caching off every position is executed once plus exactly the
+recomputed ones; the clairvoyant arm is marked a reference.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def test_conservation_under_preemption(pressured: dict[str, Any]) -> None:
         assert c["free_blocks_end"] == c["usable_blocks"] == 299
         assert arm["preemptions"] > 0
         assert arm["controller"]["calls"] == arm["preemptions"]
+        # Each preemption is answered by exactly one return, at least one step later.
+        assert arm["victim_returns"] == arm["preemptions"], arm["label"]
+        assert arm["steps_to_return_mean"] >= 1.0
 
 
 def test_every_position_executed_once_plus_recompute(pressured: dict[str, Any]) -> None:
@@ -110,6 +114,10 @@ def test_five_requests_match_hand_computed_metrics(tmp_path: Path) -> None:
     assert arm["throughput_req_s"] == pytest.approx(1.0)
     assert arm["computed_tokens"] == 50 + 7 and arm["recomputed_tokens"] == 0
     assert arm["preemptions"] == 0 and arm["preemptions_per_1k"] == 0
+    assert arm["victim_returns"] == 0 and arm["steps_to_return_mean"] == 0
+    # Idle KV after each step's scheduling: 63 usable blocks, one per running request
+    # (<= 14 tokens each); steps hold 4, 3, 2, 2 (requests 3 and 4) and 1 block.
+    assert arm["kv_free_blocks_mean"] == pytest.approx((59 + 60 + 61 + 61 + 62) / 5)
     ttft, tpot, e2e = arm["ttft_s"], arm["tpot_s"], arm["e2e_s"]
     # TTFT = [1, 1, 1, 1, 1.5]; E2E = [1, 2, 3, 4, 2.5]; every TPOT is 1 s.
     assert ttft == pytest.approx({"p50": 1.0, "p95": 1.4, "p99": 1.48, "mean": 1.1})

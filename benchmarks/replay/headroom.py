@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/replay/headroom.py rollout-pc [--horizon S] [--samples N]
                                                   [--objective tax|wait|tax-no-later]
     .venv/bin/python benchmarks/replay/headroom.py rollout-mooncake [same options]
+    .venv/bin/python benchmarks/replay/headroom.py anatomy [--traces DIR] [--no-write]
 
 ``nopc``: issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off.
 This suite asks whether that is reachable by victim choice at all: it replays the two Azure
@@ -32,10 +33,16 @@ token, or tax among the options that wait no longer than LCF's (``tax-no-later``
 victim choice lower the tax without costing TTFT?). ``rollout-mooncake`` runs the same
 oracle on the two Mooncake cells of ``run.py slices`` (prefix caching on).
 
+``anatomy``: no probe; it takes builtin, LCF and bidkv apart on the four conversation cells
+over the ten slices of ``run.py slices`` to show what their recompute tax and P95 TTFT are
+made of: how large the victims are, how much of a victim is lost by the time it returns
+(with prefix caching only what was evicted meanwhile), how many steps it takes to return,
+and how much KV sits idle (held by no request) on average.
+
 The rules are scratch probes, defined below and loaded with ``--policy-class``; none ships
 in the bundle. Results go between the suite's markers in ``README.md`` (``headroom``,
 ``headroom-pc``, ``headroom-rollout``, ``headroom-rollout-pc``,
-``headroom-rollout-mooncake``; a rollout with another
+``headroom-rollout-mooncake``, ``headroom-anatomy``; a rollout with another
 objective or sampled lengths appends ``-<objective>`` and ``-sampled``).
 """
 
@@ -54,7 +61,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 from bidkv_ext.replay.engine import ReplayState
@@ -62,6 +69,7 @@ from bidkv_ext.replay.engine import ReplayState
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # workers import the probe rules as ``headroom:Name``
 from run import (  # noqa: E402
+    ALL_SLICE_STARTS,
     BUILTIN,
     CONV,
     LCF,
@@ -455,6 +463,8 @@ PC_CELLS = (
 # The Mooncake cells of ``run.py slices`` (prefix caching on; their knobs include
 # ``--duration``).
 MOONCAKE_CELLS = tuple(c for c in SLICE_CELLS if c.trace == MOON)
+# The conversation cells of ``run.py slices``, with and without prefix caching.
+ANATOMY_CELLS = tuple(c for c in SLICE_CELLS if c.trace == CONV)
 SUITES = {
     # suite: (cells, common knobs, peer arms, probe classes, README marker)
     "nopc": (CELLS, COMMON, PEERS, PROBES, "headroom"),
@@ -468,6 +478,8 @@ SUITES = {
     "rollout-mooncake": (MOONCAKE_CELLS, (),
                          "builtin,least-computed-first,bidkv", (RolloutOracle,),
                          "headroom-rollout-mooncake"),
+    "anatomy": (ANATOMY_CELLS, (), "builtin,least-computed-first,bidkv", (),
+                "headroom-anatomy"),
 }
 
 
@@ -526,6 +538,49 @@ def _rollout_table(results: dict[str, list[Arms]], starts: Sequence[int]) -> str
     return "\n".join(lines)
 
 
+def anatomy_figures(arm: dict[str, Any]) -> tuple[float, float, float]:
+    """(mean victim tokens, tokens lost per preemption, share of the victims' tokens lost)
+    from one arm's report: the upper bound sums each victim's computed tokens at its
+    preemption; the recomputed tokens are what the victims re-executed on return."""
+    preemptions = arm["preemptions"]
+    held = arm["recompute_upper_bound_tokens"]
+    lost = arm["recomputed_tokens"]
+    if not preemptions:
+        return 0.0, 0.0, 0.0
+    return held / preemptions, lost / preemptions, (lost / held if held else 0.0)
+
+
+def _anatomy_table(results: dict[str, list[Arms]]) -> str:
+    """Per cell and arm, medians over slices; the last three columns are per-slice ratios
+    to LCF. Below the table: in how many slices builtin left more KV idle than LCF."""
+    lines = ["| cell | policy | preempt/1k | victim tokens | lost / preemption | share lost "
+             "| steps to return | idle KV blocks | tax / LCF | P95 TTFT / LCF | out tok/s / LCF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for cell, runs in results.items():
+        for label in (BUILTIN, LCF, "bidkv"):
+            figures = [anatomy_figures(r[label]) for r in runs]
+            row = [statistics.median(r[label]["preemptions_per_1k"] for r in runs),
+                   *(statistics.median(f[k] for f in figures) for k in range(3)),
+                   statistics.median(r[label]["steps_to_return_mean"] for r in runs),
+                   statistics.median(r[label]["kv_free_blocks_mean"] for r in runs)]
+            ratios = [statistics.median(ratio_of(metric_of(r[label], m), metric_of(r[LCF], m))
+                                        for r in runs) for m in ("tax", "p95")]
+            ratios.append(statistics.median(
+                ratio_of(r[label]["throughput_output_tok_s"], r[LCF]["throughput_output_tok_s"])
+                for r in runs))
+            lines.append(f"| {cell} | {label} | {row[0]:.0f} | {row[1]:.0f} | {row[2]:.0f} | "
+                         f"{row[3]:.2f} | {row[4]:.1f} | {row[5]:.1f} | "
+                         + " | ".join(f"{x:.3f}" for x in ratios) + " |")
+        idle = sum(r[BUILTIN]["kv_free_blocks_mean"] > r[LCF]["kv_free_blocks_mean"] for r in runs)
+        slower = sum(metric_of(r[BUILTIN], "p95") > metric_of(r[LCF], "p95") for r in runs)
+        cheaper = sum(metric_of(r[BUILTIN], "tax") < metric_of(r[LCF], "tax") for r in runs)
+        notes.append(f"- {cell}: builtin left more KV idle than LCF in {idle} of {len(runs)} "
+                     f"slices, had the higher P95 TTFT in {slower} and the lower tax in "
+                     f"{cheaper}.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
 def _starts(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
@@ -542,9 +597,9 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--reuse", action="store_true",
                         help="re-render from the reports already under --out")
-    parser.add_argument("--starts", type=_starts, default=list(SLICE_STARTS),
+    parser.add_argument("--starts", type=_starts, default=None,
                         help="comma-separated slice starts in whole seconds (default: the "
-                             "five of run.py slices)")
+                             "first five of run.py slices; all ten for anatomy)")
     parser.add_argument("--horizon", type=float, default=_Rollout.horizon,
                         help="rollout: simulated seconds each child plays ahead")
     parser.add_argument("--width", type=int, default=_Rollout.width,
@@ -567,7 +622,7 @@ def main() -> int:
     variant = (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
         "-sampled" if sampled else "")
     tag = args.suite + variant
-    starts = args.starts
+    starts = args.starts or list(ALL_SLICE_STARTS if args.suite == "anatomy" else SLICE_STARTS)
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
     saved = saved_reports(args.out, tag, (c.name for c in cells), starts, args.reuse)
@@ -580,6 +635,8 @@ def main() -> int:
         table = _table(results)
     elif args.suite == "rollout":
         table = _rollout_table(results, starts)
+    elif args.suite == "anatomy":
+        table = _anatomy_table(results)
     else:
         table = _best_peer_table(results)
     oracle = ""

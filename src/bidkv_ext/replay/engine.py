@@ -152,6 +152,13 @@ class ArmRun:
     usable_blocks: int
     wall_seconds: float
     capacity: Mapping[str, object] | None = None
+    # Sum over scheduler steps of the KV blocks no request held after scheduling (vLLM's
+    # free count, evictable cached blocks included): / steps is the mean idle KV.
+    free_block_steps: int = 0
+    # Scheduler steps from each preemption to the victim's next scheduled step, summed over
+    # the victims that came back (``returns``).
+    return_steps: int = 0
+    returns: int = 0
 
 
 class _SimTime:
@@ -254,6 +261,9 @@ def run_arm(
         usable_blocks=usable,
         wall_seconds=wall,
         capacity=capacity,
+        free_block_steps=state.free_block_steps,
+        return_steps=state.return_steps,
+        returns=state.returns,
     )
 
 
@@ -342,6 +352,11 @@ class _Loop:
         self.upper_bound = 0
         self.preemptions = 0
         self.pressure_steps = 0
+        self.free_block_steps = 0
+        # The step each waiting victim was preempted in (-1: not waiting to return).
+        self.preempted_step = [-1] * n
+        self.return_steps = 0
+        self.returns = 0
 
     def _admit(self, i: int) -> None:
         r = self.requests[i]
@@ -370,6 +385,7 @@ class _Loop:
         sched_requests = scheduler.requests
         index = self.index
         mark, position, fake = self.mark, self.position, self.fake_token
+        preempted_step = self.preempted_step
         # With a max_tokens cap the last token of a request is EOS, sampled at its length.
         eos_id: int = self.offline.EOS_TOKEN_ID
         stop_by_eos = self.settings.max_tokens != "exact"
@@ -377,6 +393,7 @@ class _Loop:
         first, finish, tokens = self.first, self.finish, self.tokens
         step_seconds = self.model.step_seconds
         elastic = self.elastic
+        free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks
         now = requests[0].arrival if n else 0.0
         arrived = done = idle_steps = 0
         while done < n:
@@ -393,6 +410,7 @@ class _Loop:
             if elastic is not None:
                 elastic.after_schedule()
             self.steps += 1
+            self.free_block_steps += free_blocks()
             preempted = out.preempted_req_ids
             if preempted:
                 self._record_preemptions(preempted)
@@ -414,6 +432,10 @@ class _Loop:
                 end = request.num_computed_tokens
                 start = end - k
                 i = index[rid]
+                if preempted_step[i] >= 0:
+                    self.return_steps += self.steps - preempted_step[i]
+                    self.returns += 1
+                    preempted_step[i] = -1
                 high = mark[i]
                 if start < high:
                     recomputed += (end if end < high else high) - start
@@ -485,6 +507,7 @@ class _Loop:
             i = self.index[rid]
             self.preemptions += 1
             self.preempted[i] += 1
+            self.preempted_step[i] = self.steps
             self.upper_bound += self.position[i]
             self.position[i] = 0
 
