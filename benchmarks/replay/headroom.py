@@ -10,8 +10,8 @@
 
 ``nopc``: issue 8 asks for a recompute tax of at most 0.85 x LCF's with prefix caching off.
 This suite asks whether that is reachable by victim choice at all: it replays the two Azure
-conversation cells without prefix caching over the five slices of ``run.py slices`` with a
-family of rules around LCF, including *oracle* rules that read each request's true
+conversation cells without prefix caching over the first five slices of ``run.py slices``
+with a family of rules around LCF, including *oracle* rules that read each request's true
 remaining output (``--max-tokens exact`` makes ``max_tokens`` the trace length, so
 ``max_tokens - num_output_tokens`` is the truth). No online policy has that information,
 so the best oracle figure bounds what a smarter estimate judging one decision at a time
@@ -21,7 +21,7 @@ could buy here (``rollout`` looks ahead instead).
 pressure while LCF keeps the lower P95 TTFT. This suite tries rules between the two on the
 two prefix-caching cells (vLLM's default cap, as in ``run.py slices``) and reports both
 metrics against the best peer of each slice. It also runs bidkv with a liveness threshold of
-2 (instead of 4) and the clairvoyant reference, to place the guard's own trade-off.
+2 (instead of the default 8) and the clairvoyant reference, to place the guard's own trade-off.
 
 ``rollout`` and ``rollout-pc``: the same cells (without and with prefix caching) with a
 lookahead oracle (:class:`RolloutOracle`) that forks the replay at every decision, plays
