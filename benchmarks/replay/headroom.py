@@ -19,9 +19,10 @@ could buy here (``rollout`` looks ahead instead).
 
 ``pc``: with prefix caching the built-in victim beats LCF on recompute tax at moderate
 pressure while LCF keeps the lower P95 TTFT. This suite tries rules between the two on the
-two prefix-caching cells (vLLM's default cap, as in ``run.py slices``) and reports both
-metrics against the best peer of each slice. It also runs bidkv with a liveness threshold of
-2 (instead of the default 8) and the clairvoyant reference, to place the guard's own trade-off.
+two prefix-caching cells (vLLM's default cap, as in ``run.py slices``, on all ten of its
+slices) and reports both metrics against the best peer of each slice. It also runs bidkv
+with a liveness threshold of 2 (instead of the default 8) and the clairvoyant reference, to
+place the guard's own trade-off.
 
 ``rollout`` and ``rollout-pc``: the same cells (without and with prefix caching) with a
 lookahead oracle (:class:`RolloutOracle`) that forks the replay at every decision, plays
@@ -242,6 +243,27 @@ class CappedLossHostTie(_Rule):
         )).request_id
 
 
+class HostVictimIfQueueShort:
+    """The host's victim while the queue is short, else LCF (ties to the newest).
+
+    The queue proxy is how long ago the newest running request arrived: under a long queue
+    even the newest admission waited. It compares ``now`` with ``arrival_time``, which is
+    sound only in the replay (one simulated clock); the real host's two clocks differ
+    (preemption-contract.md section 8), so this is a probe, not a policy.
+    """
+
+    threshold = 2.0  # seconds
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        cands = context.candidates
+        if not cands:
+            return None
+        newest = max(c.arrival_time for c in cands)
+        if context.now - newest < self.threshold and context.builtin_victim_id is not None:
+            return context.builtin_victim_id
+        return min(reversed(cands), key=_computed).request_id
+
+
 OBJECTIVES = ("tax", "wait", "tax-no-later")  # see _Rollout.choose
 _T = TypeVar("_T")
 
@@ -443,7 +465,8 @@ def _log_decision(
         out.write(json.dumps(line) + "\n")
 
 
-PC_PROBES = (LargeEnough256, LargeEnough512Newest, HostVictimIfLarge, CappedLossHostTie)
+PC_PROBES = (LargeEnough256, LargeEnough512Newest, HostVictimIfLarge, CappedLossHostTie,
+             HostVictimIfQueueShort)
 PROBES = (
     OracleSkipFinishing,
     OracleSkipFinishing256,
@@ -463,6 +486,9 @@ PC_CELLS = (
 # The Mooncake cells of ``run.py slices`` (prefix caching on; their knobs include
 # ``--duration``).
 MOONCAKE_CELLS = tuple(c for c in SLICE_CELLS if c.trace == MOON)
+# Suites cheap enough to run on all ten slices of ``run.py slices`` by default (the
+# others, the oracles above all, run on its first five).
+TEN_SLICE_SUITES = ("pc", "anatomy")
 # The conversation cells of ``run.py slices``, with and without prefix caching.
 ANATOMY_CELLS = tuple(c for c in SLICE_CELLS if c.trace == CONV)
 SUITES = {
@@ -599,7 +625,7 @@ def main() -> int:
                         help="re-render from the reports already under --out")
     parser.add_argument("--starts", type=_starts, default=None,
                         help="comma-separated slice starts in whole seconds (default: the "
-                             "first five of run.py slices; all ten for anatomy)")
+                             "first five of run.py slices; all ten for pc and anatomy)")
     parser.add_argument("--horizon", type=float, default=_Rollout.horizon,
                         help="rollout: simulated seconds each child plays ahead")
     parser.add_argument("--width", type=int, default=_Rollout.width,
@@ -622,7 +648,8 @@ def main() -> int:
     variant = (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
         "-sampled" if sampled else "")
     tag = args.suite + variant
-    starts = args.starts or list(ALL_SLICE_STARTS if args.suite == "anatomy" else SLICE_STARTS)
+    starts = args.starts or list(ALL_SLICE_STARTS if args.suite in TEN_SLICE_SUITES
+                                 else SLICE_STARTS)
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
     saved = saved_reports(args.out, tag, (c.name for c in cells), starts, args.reuse)

@@ -92,8 +92,8 @@ PRESSURE_CELLS = tuple(
 )
 SLICES = ("builtin,least-computed-first,bidkv,bidkv{use_host_facts=false},"
           "bidkv{liveness_preemptions=0},bidkv{liveness_preemptions=4},bidkv-0.2.1,clairvoyant")
-# Five disjoint 300 s slices of the 3,502 s Azure conversation trace (the headroom probes
-# and oracles in headroom.py run on these).
+# Five disjoint 300 s slices of the 3,502 s Azure conversation trace (headroom.py's oracles
+# and ``nopc`` probes run on these).
 SLICE_STARTS = (0, 700, 1400, 2100, 2800)
 # Five more, one in each gap between those (disjoint from them and from each other; the
 # last ends at 3,400 s, inside the shortest trace, code, at 3,436 s). ``slices`` runs all
