@@ -90,8 +90,8 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
         "preemptions_per_1k": _ratio(1000.0 * run.preemption_events, len(done)),
         "recomputed_tokens_per_preemption": _ratio(run.recomputed_tokens, run.preemption_events),
         "victims_per_pressure_step": _ratio(run.preemption_events, run.pressure_steps),
-        # KV no request held, averaged over scheduler steps: capacity left idle, for example
-        # while the head of the waiting queue waits for its whole sequence to fit.
+        # KV no request held, averaged over scheduler steps (vLLM's free count: a waiting
+        # victim's cached blocks are in it until something evicts them).
         "kv_free_blocks_mean": _ratio(run.free_block_steps, run.steps),
         # Every victim comes back once per preemption (it must finish): returns == preemptions.
         "victim_returns": run.returns,
