@@ -59,5 +59,6 @@ def test_victims_lose_everything_without_prefix_caching_and_less_with_it(
 
 
 def test_no_preemption_gives_zero_figures() -> None:
-    arm = {"preemptions": 0, "recompute_upper_bound_tokens": 0, "recomputed_tokens": 0}
+    arm = {"preemptions": 0, "recompute_upper_bound_tokens": 0, "recomputed_tokens": 0,
+           "recomputed_tokens_per_preemption": 0.0}
     assert headroom.anatomy_figures(arm) == (0.0, 0.0, 0.0)

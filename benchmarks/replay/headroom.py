@@ -79,6 +79,7 @@ from run import (  # noqa: E402
     SLICE_STARTS,
     Arms,
     Cell,
+    median_of,
     metric_of,
     over_slices,
     ratio_of,
@@ -243,7 +244,7 @@ class CappedLossHostTie(_Rule):
         )).request_id
 
 
-class HostVictimIfQueueShort:
+class HostVictimIfQueueShort(_Rule):
     """The host's victim while the queue is short, else LCF (ties to the newest).
 
     The queue proxy is how long ago the newest running request arrived: under a long queue
@@ -255,13 +256,11 @@ class HostVictimIfQueueShort:
     threshold = 2.0  # seconds
 
     def select_victim(self, context: PreemptionContext) -> str | None:
-        cands = context.candidates
-        if not cands:
-            return None
-        newest = max(c.arrival_time for c in cands)
-        if context.now - newest < self.threshold and context.builtin_victim_id is not None:
-            return context.builtin_victim_id
-        return min(reversed(cands), key=_computed).request_id
+        cands, builtin = context.candidates, context.builtin_victim_id
+        if (cands and builtin is not None
+                and context.now - max(c.arrival_time for c in cands) < self.threshold):
+            return builtin
+        return super().select_victim(context)
 
 
 OBJECTIVES = ("tax", "wait", "tax-no-later")  # see _Rollout.choose
@@ -569,11 +568,12 @@ def anatomy_figures(arm: dict[str, Any]) -> tuple[float, float, float]:
     from one arm's report: the upper bound sums each victim's computed tokens at its
     preemption; the recomputed tokens are what the victims re-executed on return."""
     preemptions = arm["preemptions"]
-    held = arm["recompute_upper_bound_tokens"]
-    lost = arm["recomputed_tokens"]
     if not preemptions:
         return 0.0, 0.0, 0.0
-    return held / preemptions, lost / preemptions, (lost / held if held else 0.0)
+    held = arm["recompute_upper_bound_tokens"]
+    lost = arm["recomputed_tokens"]
+    return held / preemptions, arm["recomputed_tokens_per_preemption"], (
+        lost / held if held else 0.0)
 
 
 def _anatomy_table(results: dict[str, list[Arms]]) -> str:
@@ -586,10 +586,10 @@ def _anatomy_table(results: dict[str, list[Arms]]) -> str:
     for cell, runs in results.items():
         for label in (BUILTIN, LCF, "bidkv"):
             figures = [anatomy_figures(r[label]) for r in runs]
-            row = [statistics.median(r[label]["preemptions_per_1k"] for r in runs),
+            row = [median_of(runs, label, "preemptions_per_1k"),
                    *(statistics.median(f[k] for f in figures) for k in range(3)),
-                   statistics.median(r[label]["steps_to_return_mean"] for r in runs),
-                   statistics.median(r[label]["kv_free_blocks_mean"] for r in runs)]
+                   median_of(runs, label, "steps_to_return_mean"),
+                   median_of(runs, label, "kv_free_blocks_mean")]
             ratios = [statistics.median(ratio_of(metric_of(r[label], m), metric_of(r[LCF], m))
                                         for r in runs) for m in ("tax", "p95")]
             ratios.append(statistics.median(

@@ -263,7 +263,8 @@ def metric_of(arm: dict[str, Any], metric: str) -> float:
     return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
 
 
-def _median(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
+def median_of(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
+    """Median over slices of one arm's metric (``tax``, ``p95`` or a report key)."""
     return statistics.median(
         metric_of(r[label], key) if key in ("tax", "p95") else float(r[label][key]) for r in runs)
 
@@ -271,8 +272,8 @@ def _median(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> floa
 def _slice_rows(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> list[str]:
     rows = []
     for label in runs[0]:
-        tax, p95 = _median(runs, label, "tax"), _median(runs, label, "p95")
-        tps = _median(runs, label, "throughput_output_tok_s")
+        tax, p95 = median_of(runs, label, "tax"), median_of(runs, label, "p95")
+        tps = median_of(runs, label, "throughput_output_tok_s")
         worst = max(int(r[label]["max_preemptions_one_request"]) for r in runs)
         vs = ("" if label in (LCF, BUILTIN) else
               f"{_ratio(runs, 'tax', label, LCF)} | {_ratio(runs, 'tax', label, BUILTIN)} | "
@@ -329,10 +330,10 @@ def run_slices(
 ) -> str:
     """Every cell on every slice, in worker processes; medians and paired ratios."""
     started = time.perf_counter()
-    slice_starts = ALL_SLICE_STARTS
-    jobs = {cell.name: [(suite, traces, cell, start, out_root, reuse) for start in slice_starts]
+    jobs = {cell.name: [(suite, traces, cell, start, out_root, reuse)
+                        for start in ALL_SLICE_STARTS]
             for cell in cells}
-    saved = saved_reports(out_root, suite, (c.name for c in cells), slice_starts, reuse)
+    saved = saved_reports(out_root, suite, (c.name for c in cells), ALL_SLICE_STARTS, reuse)
     results = over_slices(_replay_slice, jobs)
     rows: list[str] = []
     goals: list[str] = []
@@ -346,7 +347,7 @@ def run_slices(
         "|---|---|---|---|---|---|---|---|---|"
     )
     knobs = "\n".join(f"- `{c.name}`: `{c.trace}` {' '.join(c.args)}" for c in cells)
-    starts = ", ".join(str(s) for s in slice_starts)
+    starts = ", ".join(str(s) for s in ALL_SLICE_STARTS)
     return (f"{header}\n" + "\n".join(rows)
             + f"\n\nSlices: 300 s windows starting at {starts} s of trace time.\n"
             + f"Cells (knobs; the `--duration` shown is each slice's length):\n{knobs}\n"
