@@ -260,13 +260,17 @@ def ratio_of(value: float, peer: float) -> float:
 
 
 def metric_of(arm: dict[str, Any], metric: str) -> float:
-    return float(arm["recompute_tax"] if metric == "tax" else arm["ttft_s"]["p95"])
+    """One arm's ``tax`` (recompute tax), ``p95`` (P95 TTFT) or any other report key."""
+    if metric == "tax":
+        return float(arm["recompute_tax"])
+    if metric == "p95":
+        return float(arm["ttft_s"]["p95"])
+    return float(arm[metric])
 
 
 def median_of(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
-    """Median over slices of one arm's metric (``tax``, ``p95`` or a report key)."""
-    return statistics.median(
-        metric_of(r[label], key) if key in ("tax", "p95") else float(r[label][key]) for r in runs)
+    """Median over slices of one arm's metric (see :func:`metric_of`)."""
+    return statistics.median(metric_of(r[label], key) for r in runs)
 
 
 def _slice_rows(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> list[str]:
