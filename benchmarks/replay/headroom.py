@@ -82,7 +82,7 @@ from run import (  # noqa: E402
     median_of,
     metric_of,
     over_slices,
-    ratio_of,
+    paired_ratios,
     replay_arms,
     saved_reports,
     slice_out,
@@ -525,7 +525,7 @@ def _table(results: dict[str, list[Arms]]) -> str:
     for label in next(iter(results.values()))[0]:
         cells = []
         for runs in results.values():
-            ratios = [ratio_of(metric_of(r[label], "tax"), metric_of(r[LCF], "tax")) for r in runs]
+            ratios = paired_ratios(runs, "tax", label, LCF)
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -540,8 +540,7 @@ def _best_peer_table(results: dict[str, list[Arms]]) -> str:
         cells = []
         for runs in results.values():
             for metric in ("tax", "p95"):
-                values = [ratio_of(metric_of(r[label], metric),
-                               min(metric_of(r[p], metric) for p in (BUILTIN, LCF))) for r in runs]
+                values = paired_ratios(runs, metric, label, BUILTIN, LCF)
                 cells.append(f"{statistics.median(values):.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -555,8 +554,7 @@ def _rollout_table(results: dict[str, list[Arms]], starts: Sequence[int]) -> str
     for cell, runs in results.items():
         for rule in ("bidkv", label):
             for metric, name in (("tax", "tax / LCF"), ("p95", "P95 TTFT / LCF")):
-                ratios = [ratio_of(metric_of(r[rule], metric), metric_of(r[LCF], metric))
-                          for r in runs]
+                ratios = paired_ratios(runs, metric, rule, LCF)
                 row = " | ".join(f"{x:.3f}" for x in ratios)
                 lines.append(f"| {cell} | {rule}: {name} | {row} | "
                              f"{statistics.median(ratios):.3f} |")
@@ -590,8 +588,7 @@ def _anatomy_table(results: dict[str, list[Arms]]) -> str:
                    *(statistics.median(f[k] for f in figures) for k in range(3)),
                    median_of(runs, label, "steps_to_return_mean"),
                    median_of(runs, label, "kv_free_blocks_mean")]
-            ratios = [statistics.median(ratio_of(metric_of(r[label], m), metric_of(r[LCF], m))
-                                        for r in runs)
+            ratios = [statistics.median(paired_ratios(runs, m, label, LCF))
                       for m in ("tax", "p95", "throughput_output_tok_s")]
             lines.append(f"| {cell} | {label} | {row[0]:.0f} | {row[1]:.0f} | {row[2]:.0f} | "
                          f"{row[3]:.2f} | {row[4]:.1f} | {row[5]:.1f} | "

@@ -247,7 +247,7 @@ def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[flo
 
 def _ratio(runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, peer: str) -> str:
     """Median and bootstrap interval of the per-slice ratio arm / peer (paired by slice)."""
-    values = [ratio_of(metric_of(r[arm], metric), metric_of(r[peer], metric)) for r in runs]
+    values = paired_ratios(runs, metric, arm, peer)
     low, high = _bootstrap_median(values)
     return f"{statistics.median(values):.3f} [{low:.3f}, {high:.3f}]"
 
@@ -266,6 +266,14 @@ def metric_of(arm: dict[str, Any], metric: str) -> float:
     if metric == "p95":
         return float(arm["ttft_s"]["p95"])
     return float(arm[metric])
+
+
+def paired_ratios(
+    runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, *peers: str
+) -> list[float]:
+    """Per slice, ``arm``'s metric over the best (least) of ``peers`` on that slice."""
+    return [ratio_of(metric_of(r[arm], metric), min(metric_of(r[p], metric) for p in peers))
+            for r in runs]
 
 
 def median_of(runs: list[dict[str, dict[str, Any]]], label: str, key: str) -> float:
@@ -307,8 +315,7 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     larger than the differences between policies, so arms are compared within a slice)."""
 
     def ratio(metric: str, *peers: str) -> float:
-        return _paired(runs, lambda r: ratio_of(metric_of(r[BIDKV], metric),
-                                            min(metric_of(r[p], metric) for p in peers)))
+        return statistics.median(paired_ratios(runs, metric, BIDKV, *peers))
 
     if "--no-prefix-caching" in cell.args:
         checks = [("tax / LCF", ratio("tax", LCF), 0.85),
@@ -317,8 +324,7 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     else:
         checks = [("tax / best peer", ratio("tax", BUILTIN, LCF), 1.0),
                   ("P95 TTFT / best peer", ratio("p95", BUILTIN, LCF), 1.0)]
-    tps = _paired(runs, lambda r: r[BIDKV]["throughput_output_tok_s"]
-                  / r[BUILTIN]["throughput_output_tok_s"])
+    tps = statistics.median(paired_ratios(runs, "throughput_output_tok_s", BIDKV, BUILTIN))
     marks = [f"{name} {value:.3f} (goal <= {goal}): {'yes' if value <= goal else 'NO'}"
              for name, value, goal in checks]
     if "--no-prefix-caching" not in cell.args and ORACLE in runs[0]:
