@@ -62,6 +62,11 @@ def test_environment_then_additional_config_precedence() -> None:
         ({"BIDKV_UTILITY_PREEMPT_WEIGHT": "-0.1"}, "BIDKV_UTILITY_PREEMPT_WEIGHT"),
         ({"BIDKV_UTILITY_STRATEGY": "pe"}, "unknown strategy; accepted: bidkv, builtin"),
         ({"BIDKV_UTILITY_KV_GATE": "0.9"}, "BIDKV_UTILITY_KV_GATE is not a BidKV setting"),
+        # Infinite or huge weights would zero every utility at the first decision.
+        ({"BIDKV_UTILITY_BASE_COST": "inf"}, "BIDKV_UTILITY_BASE_COST='inf' is invalid"),
+        ({"BIDKV_UTILITY_RECOMPUTE_WEIGHT": "nan"}, "BIDKV_UTILITY_RECOMPUTE_WEIGHT='nan'"),
+        ({"BIDKV_UTILITY_PREEMPT_WEIGHT": "1e307"}, "less than or equal to 1000000"),
+        ({"BIDKV_UTILITY_EPSILON": "inf"}, "BIDKV_UTILITY_EPSILON='inf' is invalid"),
     ],
 )
 def test_invalid_environment_fails_with_one_line(env: dict[str, str], needle: str) -> None:

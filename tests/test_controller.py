@@ -103,6 +103,46 @@ def test_returns_the_candidates_own_id_object() -> None:
     assert chosen is c.candidates[0].request_id
 
 
+def test_a_str_subclass_names_a_candidate() -> None:
+    """numpy.str_ (what a policy indexing a numpy array returns) is a str: a valid answer."""
+    np = pytest.importorskip("numpy")
+    c = three()
+    controller = PolicyController(Fixed(np.str_("b")))
+    chosen = controller.select_victim(c)
+    assert chosen is c.candidates[1].request_id and type(chosen) is str
+    s = controller.export_stats()
+    assert (s["selections"], s["failures"], s["enabled"]) == (1, 0, True)
+
+
+class BadHint(Fixed):
+    @property
+    def victim_index_hint(self) -> int:
+        raise RuntimeError("hint")
+
+
+def test_policy_attribute_errors_never_escape() -> None:
+    """The victim hint is the policy's code too: its error disables the policy, no escape."""
+    controller = PolicyController(BadHint("a"))
+    assert controller.select_victim(three()) == "c"
+    s = controller.export_stats()
+    assert (s["calls"], s["failures"], s["selections"], s["enabled"]) == (1, 1, 0, False)
+
+
+class BadFactsFlag(Fixed):
+    @property
+    def wants_host_facts(self) -> bool:
+        raise RuntimeError("flag")
+
+    def select_victim_with_facts(self, context: PreemptionContext, facts: object) -> Any:
+        return self.answer
+
+
+def test_wants_host_facts_is_read_once_at_construction() -> None:
+    """An error in it fails start-up (construction), never a decision."""
+    with pytest.raises(RuntimeError, match="flag"):
+        PolicyController(BadFactsFlag("a"))
+
+
 def test_exception_disables_for_good(caplog: pytest.LogCaptureFixture) -> None:
     Boom.calls = 0
     controller = PolicyController(Boom())
@@ -112,8 +152,12 @@ def test_exception_disables_for_good(caplog: pytest.LogCaptureFixture) -> None:
     assert Boom.calls == 1
     s = controller.export_stats()
     assert (s["calls"], s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, 0, False)
-    disabling = [r for r in caplog.records if "disabling it" in r.getMessage()]
-    assert len(disabling) == 1 and "raised an exception" in disabling[0].getMessage()
+    # Exactly one ERROR record, and it carries the traceback.
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert "disabling it" in errors[0].getMessage()
+    assert "raised an exception" in errors[0].getMessage()
+    assert errors[0].exc_info is not None and errors[0].exc_info[0] is RuntimeError
 
 
 def test_wrong_thread_raises_and_counts_nothing() -> None:
@@ -138,6 +182,19 @@ def test_wrong_thread_raises_and_counts_nothing() -> None:
     t.start()
     t.join()
     assert len(errors) == 2
+    # The guard alone, for hosts that skip select_victim when no policy is in charge.
+    t = threading.Thread(target=lambda: _capture(errors, none.check_thread))
+    t.start()
+    t.join()
+    assert len(errors) == 3 and str(errors[2]) == str(errors[0])
+    none.check_thread()  # the owner thread passes
+
+
+def _capture(errors: list[BaseException], call: Any) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        errors.append(exc)
 
 
 def test_evidence_sink_failure_never_changes_the_victim() -> None:

@@ -76,6 +76,24 @@ def test_priority_policy_only_considers_the_least_urgent_class() -> None:
     assert chosen in {"lazy1", "lazy2"}
 
 
+def test_liveness_never_makes_the_victim_more_urgent() -> None:
+    """Under priority scheduling, when the least urgent class has spent its budget, the
+    guard takes a barrier decision (the host's least urgent victim) instead of moving on
+    to a more urgent class."""
+    cands = [cand("u0", computed=110, priority=0, arrival=1.0),
+             cand("u1", computed=110, priority=0, arrival=2.0),
+             cand("lazy", computed=110, priority=5, arrival=3.0, preemptions=1)]
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=1))
+    controller = PolicyController(policy)
+    context = ctx(cands, policy="priority", requester="u0", builtin="lazy")
+    assert controller.select_victim(context) == "lazy"
+    assert policy.barrier_decisions == 1
+    # Under FCFS the same state moves on to an eligible request: no barrier.
+    fcfs = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=1))
+    assert fcfs.select_victim(ctx(cands, requester="u0", builtin="lazy")) in {"u0", "u1"}
+    assert fcfs.barrier_decisions == 0
+
+
 def test_cascade_guard_takes_the_requester_only_when_a_cascade_would_follow() -> None:
     # Prefilling requester: 4,500 tokens still to place, one 2,048-token chunk -> it needs
     # 128 blocks. Nobody frees that many alone, so the host would preempt again after the

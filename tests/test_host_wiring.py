@@ -47,6 +47,30 @@ def test_scheduler_cls_dotted_path_resolves(vllm_offline: ModuleType) -> None:
     assert vllm_config.scheduler_config.get_scheduler_cls() is PolicyScheduler
 
 
+def test_the_factory_resolves_and_follows_async_scheduling(vllm_offline: ModuleType) -> None:
+    """``--scheduler-cls bidkv_ext.hosts.vllm.policy_scheduler`` (the README's command):
+    vLLM resolves it and, async scheduling on, gets the async variant."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from bidkv_ext.hosts.vllm import PolicyAsyncScheduler, PolicyScheduler, policy_scheduler
+
+    for async_on, expected in ((True, PolicyAsyncScheduler), (False, PolicyScheduler)):
+        vllm_config, kv = vllm_offline.build_vllm_config(num_gpu_blocks=16)
+        vllm_config.scheduler_config.async_scheduling = async_on
+        vllm_config.scheduler_config.scheduler_cls = "bidkv_ext.hosts.vllm.policy_scheduler"
+        factory = vllm_config.scheduler_config.get_scheduler_cls()
+        assert factory is policy_scheduler
+        made = factory(  # the keywords vLLM's EngineCore passes
+            vllm_config=vllm_config,
+            kv_cache_config=kv,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            include_finished_set=False,
+            log_stats=False,
+            block_size=16,
+        )
+        assert type(made) is expected
+
+
 def test_selector_follows_async_scheduling(vllm_offline: ModuleType) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 

@@ -174,7 +174,7 @@ def _operator_path(cli: Cli, tmp_path: Path, *, wheel: bool) -> dict[str, Any]:
     assert unavailable in status["evidence"]
     refusal = cli("run", "--dry-run", "--", "vllm", "serve", "m", code=2)
     assert "vllm.preemption-policy contract" in refusal and "--preemption-policy" in refusal
-    assert "--scheduler-cls bidkv_ext.hosts.vllm.PolicyScheduler" in refusal
+    assert "--scheduler-cls bidkv_ext.hosts.vllm.policy_scheduler" in refusal
     refusal = cli("run", "--dry-run", "--", "bidkv-replay", code=2)
     assert f"refusing to launch unverified trusted in-process extension {BUNDLE!r}" in refusal
 

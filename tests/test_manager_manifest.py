@@ -224,6 +224,12 @@ MALFORMED: list[tuple[str, Callable[[dict[str, Any]], Any], str, bool]] = [
         "implementation[0].status is unsupported",
         True,
     ),
+    (
+        "module-status-unhashable",
+        _set("implementation[0].status", ["active"]),
+        "implementation[0].status is unsupported",
+        True,
+    ),
     ("services-type", _set("requires_services", {}), "requires_services must be an array", True),
     (
         "service-keys",

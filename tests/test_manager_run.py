@@ -167,6 +167,10 @@ def _invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             ["run", "--shutdown-grace-seconds", "-1", "--", "true"],
             "--shutdown-grace-seconds must be >= 0",
         ),
+        (
+            ["run", "--shutdown-grace-seconds", "nan", "--", "true"],
+            "--shutdown-grace-seconds must be >= 0",
+        ),
         (["run", "--", "/nonexistent/binary"], "No such file or directory"),
         (["run", "--bogus"], "unrecognized arguments"),
     ],

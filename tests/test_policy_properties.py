@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bidkv_ext.config import BidKVConfig
+from bidkv_ext.config import MAX_WEIGHT, BidKVConfig
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 from bidkv_ext.controller import PolicyController
 from bidkv_ext.selector import BidkvPreemptionPolicy
@@ -64,6 +64,37 @@ def test_never_raises_always_a_candidate_and_deterministic(
         assert a == b
     stats = first.export_stats()
     assert stats["failures"] == 0 and stats["invalid_selections"] == 0
+
+
+extreme = st.sampled_from([0.0, 1e-3, 1.0, MAX_WEIGHT])
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.one_of(st.lists(candidate, min_size=1, max_size=47),
+              st.lists(candidate, min_size=48, max_size=120)),
+    extreme, extreme, extreme, extreme, extreme,
+    st.sampled_from([1e-3, 1.0, MAX_WEIGHT]),
+)
+def test_any_accepted_configuration_keeps_the_policy_in_charge(
+    cands: list[PreemptionCandidate],
+    base_cost: float,
+    recompute: float,
+    preempt: float,
+    completion: float,
+    first_token: float,
+    epsilon: float,
+) -> None:
+    """Every value the config accepts (weights at their bounds included) scores without a
+    fault: a setting that would break the policy must fail start-up instead."""
+    config = BidKVConfig(
+        enabled=True, base_cost=base_cost, recompute_weight=recompute, preempt_weight=preempt,
+        completion_weight=completion, first_token_weight=first_token, epsilon=epsilon,
+    )
+    controller = PolicyController(BidkvPreemptionPolicy(config))
+    context = PreemptionContext(tuple(cands), "fcfs", cands[0].request_id, 0.99, 1.0, None)
+    assert controller.select_victim(context) in {c.request_id for c in cands}
+    assert controller.export_stats()["failures"] == 0
 
 
 @settings(max_examples=150, deadline=None)

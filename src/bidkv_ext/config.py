@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ENV_PREFIX", "BidKVConfig", "ConfigError"]
+__all__ = ["ENV_PREFIX", "MAX_WEIGHT", "BidKVConfig", "ConfigError"]
 
 ENV_PREFIX = "BIDKV_UTILITY_"
 ADDITIONAL_CONFIG_KEY = "bidkv"
@@ -32,7 +32,12 @@ class ConfigError(ValueError):
 
 
 NonNegInt = Annotated[int, Field(ge=0)]
-NonNegFloat = Annotated[float, Field(ge=0.0)]
+# Finite and bounded: the terms of delta multiply, and an infinite or huge weight would
+# turn every utility into 0 (or NaN) at the first decision instead of failing start-up.
+MAX_WEIGHT = 1e6
+Weight = Annotated[float, Field(ge=0.0, le=MAX_WEIGHT, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0.0, le=MAX_WEIGHT, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class BidKVConfig(BaseModel):
@@ -45,20 +50,20 @@ class BidKVConfig(BaseModel):
     strategy: str = "bidkv"
     seed: int = 0
     liveness_preemptions: NonNegInt = 8
-    cascade_gain_ratio: Annotated[float, Field(ge=1.0)] = 1.25
-    epsilon: Annotated[float, Field(gt=0.0)] = 1e-3
+    cascade_gain_ratio: Annotated[Weight, Field(ge=1.0)] = 1.25
+    epsilon: Positive = 1e-3
     default_max_tokens: Annotated[int, Field(gt=0)] = 1024
     # Terms of the disruption estimate delta (see docs/policy.md).
-    base_cost: NonNegFloat = 64.0
-    recompute_weight: NonNegFloat = 1.0
-    completion_weight: NonNegFloat = 1.0
-    completion_horizon: Annotated[float, Field(gt=0.0)] = 32.0
-    preempt_weight: NonNegFloat = 0.0
-    first_token_weight: NonNegFloat = 0.0
-    cache_survival: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    base_cost: Weight = 64.0
+    recompute_weight: Weight = 1.0
+    completion_weight: Weight = 1.0
+    completion_horizon: Positive = 32.0
+    preempt_weight: Weight = 0.0
+    first_token_weight: Weight = 0.0
+    cache_survival: Fraction = 0.0
     use_host_facts: bool = True
     # While elastic KV (kvcached) shrinks: U x (1 + shrink_page_weight x pages released).
-    shrink_page_weight: NonNegFloat = 1.0
+    shrink_page_weight: Weight = 1.0
     block_size: Annotated[int, Field(gt=0)] = 16
     prefix_caching: bool = True
 

@@ -100,7 +100,7 @@ def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPo
 class PolicyController:
     """Counts, validates and contains one policy for the life of an engine process."""
 
-    __slots__ = ("_evidence", "_owner", "_policy", "_select_with_facts", "_stats")
+    __slots__ = ("_evidence", "_owner", "_policy", "_select_with_facts", "_stats", "_wants_facts")
 
     def __init__(
         self,
@@ -115,6 +115,11 @@ class PolicyController:
         self._evidence = evidence
         self._select_with_facts: Callable[..., object] | None = getattr(
             policy, "select_victim_with_facts", None
+        )
+        # Read once, here: an error in it fails start-up like any constructor error,
+        # instead of escaping into the scheduler at a decision.
+        self._wants_facts = self._select_with_facts is not None and bool(
+            getattr(policy, "wants_host_facts", True)
         )
         name = "builtin" if policy is None else policy_name_of(policy)
         self._stats = PreemptionPolicyStats(policy_name=name, enabled=policy is not None)
@@ -148,10 +153,16 @@ class PolicyController:
 
     @property
     def wants_facts(self) -> bool:
-        """True when the policy takes host facts; only then should a host compute them."""
-        if self._select_with_facts is None:
-            return False
-        return bool(getattr(self._policy, "wants_host_facts", True))
+        """True when the policy takes host facts; only then should a host compute them.
+
+        The policy's ``wants_host_facts`` is read once, at construction.
+        """
+        return self._wants_facts
+
+    def check_thread(self) -> None:
+        """The single-thread guard alone, for a host that skips :meth:`select_victim`."""
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(_WRONG_THREAD)
 
     def select_victim(
         self, context: PreemptionContext, facts: PreemptionContextFacts | None = None
@@ -169,19 +180,22 @@ class PolicyController:
                 result = self._select_with_facts(context, facts)
             else:
                 result = policy.select_victim(context)
+            # Read inside the try: it is the policy's code too (a property may raise).
+            hint = getattr(policy, "victim_index_hint", -1) if result is not None else -1
         except Exception:
-            logger.exception("Preemption policy %s raised", stats.policy_name)
-            self._disable("raised an exception")
+            # One ERROR record, traceback attached (the contract's "exactly one ERROR line").
+            self._disable("raised an exception", exc_info=True)
             return builtin_victim_id(context)
         if stats.calls == 1:
             self._emit("effective")
         if result is None:
             stats.abstentions += 1
             return builtin_victim_id(context)
-        if type(result) is str:
+        # Any str names a candidate (a str subclass such as numpy.str_ included); the
+        # candidate's own id object is returned, never the policy's.
+        if isinstance(result, str):
             candidates = context.candidates
             # A cooperative policy says where its victim sits; one comparison proves it.
-            hint = getattr(policy, "victim_index_hint", -1)
             if type(hint) is int and 0 <= hint < len(candidates):
                 found = candidates[hint].request_id
                 if found == result:
@@ -211,17 +225,19 @@ class PolicyController:
         """Record an ``effective`` evidence event with the current counters."""
         self._emit("effective")
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, *, exc_info: bool = False) -> None:
         stats = self._stats
         stats.failures += 1
         stats.enabled = False
         self._policy = None
         self._select_with_facts = None
+        self._wants_facts = False
         logger.error(
             "Preemption policy %s failed (%s); disabling it and restoring the built-in "
             "policy for this engine process",
             stats.policy_name,
             reason,
+            exc_info=exc_info,
         )
         self._emit("disabled")
 

@@ -98,12 +98,23 @@ class BidkvPreemptionPolicy:
             # Rare path: the favourite spent its budget in this epoch. Choosing among the
             # eligible candidates is the same as choosing among all when the favourite is
             # eligible, so the common case costs one O(1) check instead of a scan.
+            favourite = choice
             verdict = guard.filter(candidates)
             if verdict.barrier:
                 self._barrier(context)
                 return None
             choice = self._strategy.choose(verdict.eligible, context, facts)
             direct = verdict.eligible is candidates
+            if (
+                choice is not None
+                and context.scheduling_policy == "priority"
+                and choice.priority < favourite.priority
+            ):
+                # The guard must never make the victim more urgent than the strategy's own
+                # choice (operator priorities first): the favourite's class has spent its
+                # budget, so this is a barrier decision (the host's least urgent victim).
+                self._barrier(context)
+                return None
         if choice is None:
             return None
         # Where the victim sits in context.candidates, when the strategy knows it cheaply:

@@ -37,7 +37,7 @@ from hust_ext_manager.state import ExtensionState, State, load_state, mutate_sta
 
 __all__ = ["main"]
 
-_ADAPTER_SCHEDULER = "bidkv_ext.hosts.vllm.PolicyScheduler"
+_ADAPTER_SCHEDULER = "bidkv_ext.hosts.vllm.policy_scheduler"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -389,7 +389,7 @@ def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[Installed
 
 
 def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
-    if grace < 0:
+    if not grace >= 0:  # also refuses NaN, which never reaches a deadline
         raise ValueError("--shutdown-grace-seconds must be >= 0")
     launch, bundles = build_launch(raw_command)
     if dry_run:

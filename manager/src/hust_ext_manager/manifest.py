@@ -433,7 +433,7 @@ def _python_module(attributes: dict[str, Any], where: str) -> None:
         raise ManifestError(f"{where}.module is invalid")
     if not isinstance(obj, str) or not _OBJECT.fullmatch(obj):
         raise ManifestError(f"{where}.object is invalid")
-    if status not in _MODULE_STATUSES:
+    if not isinstance(status, str) or status not in _MODULE_STATUSES:
         raise ManifestError(f"{where}.status is unsupported")
 
 

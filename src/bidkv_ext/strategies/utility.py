@@ -51,6 +51,7 @@ is identical to scoring everyone (a property test checks it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
@@ -346,6 +347,8 @@ class UtilityStrategy:
 
     def _limit(self, need: int, u0: float) -> float:
         # U_i <= need / (base + slope * computed_i): only computed_i <= limit can reach u0.
+        if u0 <= 0.0:
+            return math.inf  # every candidate can tie a zero utility
         p = self.params
         return (need / u0 - p.epsilon - p.base_cost) / self._lost_slope
 

@@ -1,4 +1,4 @@
-"""Stock vLLM host adapter: ``--scheduler-cls bidkv_ext.hosts.vllm.PolicyScheduler``.
+"""Stock vLLM host adapter: ``--scheduler-cls bidkv_ext.hosts.vllm.policy_scheduler``.
 
 The scheduler classes are imported on first access, so importing this package does not
 import vLLM (the bundled model config lives in ``model/``; the offline construction kit in

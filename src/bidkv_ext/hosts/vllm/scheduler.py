@@ -108,6 +108,8 @@ class PolicySchedulerMixin:
         builtin = max(running, key=_priority_key) if self.policy is _PRIORITY else running[-1]
         controller = self.controller
         if not controller.enabled:
+            # The contract's thread guard holds even with no policy (section 5, step 0).
+            controller.check_thread()
             return builtin
         context = PreemptionContext(
             tuple(
