@@ -87,6 +87,27 @@ def test_invalid_additional_config_names_the_key() -> None:
         BidKVConfig.from_sources({"bidkv": [1]}, {})
 
 
+def test_reference_top_level_keys_are_read_or_refused() -> None:
+    """The reference BidKV's top-level additional_config keys: a bad value names its key
+    (the reference's own integration test), a known key sets its field under
+    additional_config["bidkv"], and a reference knob this policy lacks is refused rather
+    than silently ignored. Other components' keys stay ignored."""
+    with pytest.raises(ConfigError, match=r"additional_config\['utility_completion_weight'\]"):
+        BidKVConfig.from_sources({"utility_completion_weight": -1.0}, {})
+    config = BidKVConfig.from_sources(
+        {"enable_utility_victim_selection": True, "utility_liveness_preemptions": 3,
+         "preemption_policy": "x.Y", "_manager_runtime_qualification": {"a": 1}},
+        {"BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "1"},
+    )
+    assert config.is_active and config.liveness_preemptions == 3
+    wins = BidKVConfig.from_sources(
+        {"utility_liveness_preemptions": 3, "bidkv": {"liveness_preemptions": 5}}, {}
+    )
+    assert wins.liveness_preemptions == 5
+    with pytest.raises(ConfigError, match=r"'utility_kv_gate'\] is a reference BidKV setting"):
+        BidKVConfig.from_sources({"utility_kv_gate": 0.9}, {})
+
+
 def test_string_false_means_false() -> None:
     """The reference parsed additional_config booleans with bool(), so "false" meant True."""
     assert not BidKVConfig.from_sources({"bidkv": {"enabled": "false"}}, {}).enabled

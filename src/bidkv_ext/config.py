@@ -1,9 +1,10 @@
 """BidKV configuration: one validated, frozen model read from env and ``additional_config``.
 
-Precedence: defaults < ``BIDKV_UTILITY_*`` environment variables < keys of the object
-``additional_config["bidkv"]`` (the plain dict vLLM gets from ``--additional-config``). Other
-``additional_config`` keys belong to other components (``preemption_policy``,
-``_manager_runtime_qualification``, ...) and are ignored.
+Precedence: defaults < ``BIDKV_UTILITY_*`` environment variables < the reference BidKV's
+top-level keys (``enable_utility_victim_selection``, ``utility_*``; see ``REFERENCE_KEYS``)
+< keys of the object ``additional_config["bidkv"]`` (the plain dict vLLM gets from
+``--additional-config``). Other ``additional_config`` keys belong to other components
+(``preemption_policy``, ``_manager_runtime_qualification``, ...) and are ignored.
 
 Every invalid value fails at construction with one line that names the variable (or the
 ``additional_config`` key) and what is accepted: :class:`ConfigError`, a ``ValueError``, so
@@ -21,6 +22,23 @@ __all__ = ["ENV_PREFIX", "MAX_WEIGHT", "BidKVConfig", "ConfigError"]
 
 ENV_PREFIX = "BIDKV_UTILITY_"
 ADDITIONAL_CONFIG_KEY = "bidkv"
+
+# The reference BidKV read its settings from top-level additional_config keys; a user
+# carrying them over must not get an inert policy without a word. Keys with a counterpart
+# here are read as that field (under the section above, which wins); the reference's
+# gating and snapshot knobs have none and are refused, as their BIDKV_UTILITY_* twins are.
+REFERENCE_KEYS = {
+    "enable_utility_victim_selection": "enabled",
+    "utility_kill_switch": "kill_switch",
+    "utility_strategy": "strategy",
+    "utility_completion_weight": "completion_weight",
+    "utility_preempt_weight": "preempt_weight",
+    "utility_liveness_preemptions": "liveness_preemptions",
+    "utility_cascade_gain_ratio": "cascade_gain_ratio",
+    "utility_epsilon": "epsilon",
+    "utility_default_max_tokens": "default_max_tokens",
+}
+_REFERENCE_PREFIX = "utility_"
 
 # Strict booleans: what an operator plausibly writes, nothing else ("2" or "maybe" fail).
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -107,7 +125,8 @@ class BidKVConfig(BaseModel):
         environ: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> BidKVConfig:
-        """Build from the environment, then ``additional_config["bidkv"]``, then overrides."""
+        """Build from the environment, then the reference BidKV's top-level
+        ``additional_config`` keys, then ``additional_config["bidkv"]``, then overrides."""
         values: dict[str, Any] = {}
         origin: dict[str, str] = {}
         if environ is not None:
@@ -121,6 +140,7 @@ class BidKVConfig(BaseModel):
                     raise ConfigError(f"{env} is not a BidKV setting; accepted: {accepted}")
                 values[known[env]] = raw
                 origin[known[env]] = env
+        _reference_keys(additional_config or {}, values, origin)
         section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if section is not None:
             if not isinstance(section, Mapping):
@@ -139,6 +159,23 @@ class BidKVConfig(BaseModel):
             return cls(**values)
         except ValidationError as exc:
             raise ConfigError(_one_line(exc, values, origin)) from None
+
+
+def _reference_keys(
+    additional_config: Mapping[str, Any], values: dict[str, Any], origin: dict[str, str]
+) -> None:
+    for key, value in additional_config.items():
+        field = REFERENCE_KEYS.get(key)
+        if field is None:
+            if isinstance(key, str) and key.startswith(_REFERENCE_PREFIX):
+                accepted = ", ".join(sorted(REFERENCE_KEYS))
+                raise ConfigError(
+                    f"additional_config[{key!r}] is a reference BidKV setting this policy does "
+                    f"not have; accepted reference keys: {accepted}"
+                )
+            continue
+        values[field] = value
+        origin[field] = f"additional_config[{key!r}]"
 
 
 def _one_line(exc: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
