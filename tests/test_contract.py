@@ -74,8 +74,29 @@ def test_stats_defaults_and_version_markers() -> None:
         "PreemptionCandidate",
         "PreemptionContext",
         "PreemptionPolicy",
+        "PreemptionPolicyController",
         "PreemptionPolicyStats",
     }
+
+
+def test_host_controller_name_loads_from_the_engine_config() -> None:
+    """``PreemptionPolicyController(vllm_config)``, as the host module exports it, loads
+    ``scheduler_config.preemption_policy``; without that field there is no policy."""
+    from types import SimpleNamespace
+
+    controller = contract.PreemptionPolicyController(
+        SimpleNamespace(
+            scheduler_config=SimpleNamespace(
+                preemption_policy="bidkv_ext.selector.BidkvPreemptionPolicy"
+            ),
+            additional_config={"bidkv": {"enabled": True}},
+        )
+    )
+    stats = controller.export_stats()
+    assert stats["policy_name"] == "bidkv_ext.selector.BidkvPreemptionPolicy"
+    assert stats["enabled"] is True
+    stock = contract.PreemptionPolicyController(SimpleNamespace(scheduler_config=object()))
+    assert stock.export_stats()["enabled"] is False and stock.policy is None
 
 
 def test_policy_accepts_foreign_objects_by_attribute() -> None:

@@ -35,7 +35,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, indexOf
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from bidkv_ext.controller import PreemptionPolicyController
 
 __all__ = [
     "PREEMPTION_POLICY_API_VERSION",
@@ -44,6 +47,7 @@ __all__ = [
     "PreemptionContext",
     "PreemptionContextFacts",
     "PreemptionPolicy",
+    "PreemptionPolicyController",
     "PreemptionPolicyStats",
     "PreemptionSchedulingPolicy",
     "candidate_index",
@@ -137,3 +141,13 @@ def candidate_index(candidates: Sequence[object], request_id: object) -> int:
         return indexOf(map(_request_id, candidates), request_id)
     except ValueError:
         return -1
+
+
+def __getattr__(name: str) -> object:
+    # The host module exports its controller beside the types; ours lives in
+    # bidkv_ext.controller, which imports this module, so it is resolved on first access.
+    if name == "PreemptionPolicyController":
+        from bidkv_ext.controller import PreemptionPolicyController
+
+        return PreemptionPolicyController
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ from bidkv_ext.contract import (
 __all__ = [
     "EvidenceSink",
     "PolicyController",
+    "PreemptionPolicyController",
     "builtin_victim_id",
     "load_policy",
     "policy_name_of",
@@ -136,7 +137,8 @@ class PolicyController:
         *,
         evidence: EvidenceSink | None = None,
     ) -> PolicyController:
-        return cls(load_policy(spec, vllm_config), evidence=evidence)
+        # Not cls(...): a subclass may take another constructor (PreemptionPolicyController).
+        return PolicyController(load_policy(spec, vllm_config), evidence=evidence)
 
     @property
     def stats(self) -> PreemptionPolicyStats:
@@ -249,6 +251,21 @@ class PolicyController:
             sink(event, self.export_stats())
         except Exception:  # evidence must never change a decision
             logger.debug("evidence sink failed for %s", event, exc_info=True)
+
+
+class PreemptionPolicyController(PolicyController):
+    """The host module's name and constructor: ``PreemptionPolicyController(vllm_config)``.
+
+    Loads ``vllm_config.scheduler_config.preemption_policy`` (vLLM-HUST's field; absent on
+    stock vLLM, which means no policy) by the loading rules, then behaves exactly like
+    :class:`PolicyController`.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, vllm_config: object, *, evidence: EvidenceSink | None = None) -> None:
+        spec = getattr(getattr(vllm_config, "scheduler_config", None), "preemption_policy", None)
+        super().__init__(load_policy(spec, vllm_config), evidence=evidence)
 
 
 def _safe_repr(value: object) -> str:
