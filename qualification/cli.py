@@ -87,6 +87,12 @@ def _run(args: argparse.Namespace) -> int:
 def _release_check(args: argparse.Namespace) -> int:
     from qualification.release import check_release
 
+    missing = [str(p) for p in args.records or [] if not p.exists()]
+    if missing:
+        raise QualificationError(
+            f"--records {', '.join(missing)}: no such file or directory; "
+            "expected a record file or a directory of records"
+        )
     records = args.records or [DEFAULT_RECORDS]
     result = check_release(args.root, records)
     if result.passed:

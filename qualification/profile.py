@@ -8,6 +8,7 @@ validated with pydantic on load so a typo fails before any server starts.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -78,6 +79,22 @@ class ServerSpec(_Frozen):
     # Log-derived gates (qualification.md §6 gate 5); None disables the check.
     graph_capture_pattern: str | None = "Graph capturing finished"
     tp_rank_pattern: str | None = r"(?:rank=|TP|tp_rank=)(\d+)"
+
+    @field_validator("tp_rank_pattern")
+    @classmethod
+    def _rank_regex(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            groups = re.compile(value).groups
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {value!r} ({exc})") from exc
+        if groups != 1:
+            raise ValueError(
+                f"expected a regular expression with exactly one group capturing the rank, "
+                f"got {groups} groups in {value!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> ServerSpec:

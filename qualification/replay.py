@@ -12,6 +12,7 @@ fresh process of every arm finished.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from qualification.manager import Arm, ManagerSession, require_tool
 from qualification.profile import CellSpec, Profile
 from qualification.verdict import COUNTER_NAMES, ArmResult
 
-__all__ = ["arm_from_report", "replay_command", "run_replay_arm"]
+__all__ = ["arm_from_report", "read_report", "replay_command", "run_replay_arm"]
 
 REPORT_NAME = "report.json"
 
@@ -40,14 +41,21 @@ def replay_command(
         "cell": cell.name,
     }
     arm_args = spec.baseline_args if arm == "baseline" else spec.candidate_args
-    try:
-        args = [a.format(**fields) for a in (*spec.args, *cell.replay_args, *arm_args)]
-    except (KeyError, IndexError, ValueError) as exc:
-        raise QualificationError(
-            f"profile {profile.name}: replay argument placeholder {exc} is unknown; "
-            f"expected one of {sorted(fields)}"
-        ) from None
+    args = [
+        _format_arg(profile.name, a, fields) for a in (*spec.args, *cell.replay_args, *arm_args)
+    ]
     return [*spec.command, *args]
+
+
+def _format_arg(profile_name: str, template: str, fields: Mapping[str, str]) -> str:
+    try:
+        return template.format(**fields)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        # e.g. {nope} (KeyError), {0} (IndexError), {seed.real} (AttributeError), a lone {
+        raise QualificationError(
+            f"profile {profile_name}: replay argument {template!r} has an unsupported "
+            f"placeholder ({exc}); expected plain {{name}} with name one of {sorted(fields)}"
+        ) from None
 
 
 def _number(node: object, *keys: str) -> float:
@@ -58,26 +66,60 @@ def _number(node: object, *keys: str) -> float:
     return float(node) if isinstance(node, int | float) else float("nan")
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def read_report(path: Path) -> dict[str, object]:
+    """The replay's ``report.json`` as a JSON object, or a QualificationError naming it."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QualificationError(
+            f"bidkv-replay report {path}: cannot be read as JSON ({exc}); expected a JSON object"
+        ) from None
+    if not isinstance(doc, dict):
+        kind = _JSON_KINDS.get(type(doc), "a number")
+        raise QualificationError(f"bidkv-replay report {path}: expected a JSON object, got {kind}")
+    return doc
+
+
+def _count(entry: Mapping[str, object], key: str, source: str) -> int:
+    value = entry.get(key)
+    # NaN and infinity fail the comparison; so would int() on them.
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf:
+        return int(value)
+    got = repr(value) if key in entry else "nothing"
+    raise QualificationError(
+        f"bidkv-replay report {source}: arm {entry.get('label')!r}: expected {key!r} to be "
+        f"a non-negative finite number, got {got}"
+    )
+
+
 def arm_from_report(
-    arm: Arm, doc: Mapping[str, object], command: list[str], wall_s: float
+    arm: Arm,
+    doc: Mapping[str, object],
+    command: list[str],
+    wall_s: float,
+    source: str = REPORT_NAME,
 ) -> ArmResult:
-    """Figures of the single policy arm a qualification replay runs."""
+    """Figures of the single policy arm a qualification replay runs (``source`` names the
+    report in errors)."""
     arms = doc.get("arms")
     if not isinstance(arms, list):
-        raise QualificationError("bidkv-replay report.json has no 'arms' list")
+        raise QualificationError(f"bidkv-replay report {source}: expected an 'arms' list")
     online = [a for a in arms if isinstance(a, Mapping) and not a.get("reference")]
     if len(online) != 1:
         labels = [a.get("label") for a in online]
         raise QualificationError(
-            f"bidkv-replay report.json: expected exactly one policy arm per qualification arm, "
-            f"got {labels}"
+            f"bidkv-replay report {source}: expected exactly one policy arm per qualification "
+            f"arm, got {labels}"
         )
     entry = online[0]
     ctrl = entry.get("controller")
     ctrl = ctrl if isinstance(ctrl, Mapping) else {}
     counters = {k: int(ctrl[k]) for k in COUNTER_NAMES if isinstance(ctrl.get(k), int)}
-    requests = int(_number(entry, "requests"))
-    completed = int(_number(entry, "completed"))
+    requests = _count(entry, "requests", source)
+    completed = _count(entry, "completed", source)
     conservation = entry.get("conservation")
     extra: dict[str, object] = {
         "label": entry.get("label"),
@@ -98,7 +140,7 @@ def arm_from_report(
         requests=requests,
         completed=completed,
         failed=max(0, requests - completed),
-        output_tokens=int(_number(entry, "output_tokens")),
+        output_tokens=_count(entry, "output_tokens", source),
         counters=counters or None,
         policy_enabled=enabled if isinstance(enabled, bool) else None,
         policy_name=str(ctrl.get("policy_name")) if ctrl.get("policy_name") else None,
@@ -148,5 +190,4 @@ def run_replay_arm(
         return ArmResult.not_started(
             arm, f"bidkv-replay {why}: {' '.join(tail)}", wall_s=wall, command=tuple(argv)
         )
-    doc = json.loads(report.read_text(encoding="utf-8"))
-    return arm_from_report(arm, doc, argv, wall)
+    return arm_from_report(arm, read_report(report), argv, wall, str(report))

@@ -181,7 +181,12 @@ def run_profile(
     if arm_runner is None:
         _check_tools(profile)
         arm_runner = _serve_runner(profile) if profile.kind == "serve" else _replay_runner(profile)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QualificationError(
+            f"output directory {out_dir}: cannot be created ({exc}); expected a writable directory"
+        ) from None
     outcomes: list[CellOutcome] = []
     for ci, cell in enumerate(profile.cells):
         pairs: list[Pair] = []
@@ -314,6 +319,10 @@ def render_with_manager(profile: Profile, plan: dict[str, object], state_root: P
 
 def ensure_out_dir(out: Path | None, profile: Profile) -> Path:
     if out is not None:
+        if out.exists() and not out.is_dir():
+            raise QualificationError(
+                f"--out {out}: exists and is not a directory; expected a directory or a new path"
+            )
         return out
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return REPO_ROOT / "qualification" / "records" / f"{profile.name}-{stamp}"

@@ -15,7 +15,9 @@ import pytest
 
 from qualification import RECORD_SCHEMA
 from qualification.cli import main
+from qualification.errors import QualificationError
 from qualification.release import check_release
+from qualification.replay import arm_from_report, read_report
 
 REPO = Path(__file__).resolve().parent.parent
 VERDICTS = {"beneficial", "neutral", "not-beneficial-in-tested-cell", "inconclusive"}
@@ -25,9 +27,12 @@ def _installed(name: str) -> bool:
     return shutil.which(name) is not None or (Path(sys.executable).parent / name).is_file()
 
 
-pytestmark = pytest.mark.skipif(
+needs_replay = pytest.mark.skipif(
     not (_installed("bidkv-replay") and _installed("vllm-hust-ext")),
     reason="bidkv-replay and vllm-hust-ext must be installed",
+)
+needs_manager = pytest.mark.skipif(
+    not _installed("vllm-hust-ext"), reason="vllm-hust-ext must be installed"
 )
 
 
@@ -38,6 +43,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@needs_replay
 def test_record_report_plot_and_verdict(run_dir: Path) -> None:
     record = json.loads((run_dir / "record.json").read_text())
     assert record["schema"] == RECORD_SCHEMA
@@ -54,6 +60,7 @@ def test_record_report_plot_and_verdict(run_dir: Path) -> None:
     assert (run_dir / "deltas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@needs_replay
 def test_arms_differ_only_by_the_bundle(run_dir: Path) -> None:
     record = json.loads((run_dir / "record.json").read_text())
     pairs = record["cells"][0]["pairs"]
@@ -83,6 +90,59 @@ def test_arms_differ_only_by_the_bundle(run_dir: Path) -> None:
     assert state["extensions"]["org.vllm-hust.bidkv"]["enabled"] is False
 
 
+@needs_replay
 def test_release_check_accepts_the_record(run_dir: Path) -> None:
     result = check_release(REPO, [run_dir])
     assert not any("qualification record" in p for p in result.problems), result.problems
+
+
+def _fake_replay_profile(tmp: Path, report_text: str) -> Path:
+    """cpu-replay, but each arm is a script that writes `report_text` as report.json."""
+    (tmp / "canned.json").write_text(report_text)
+    script = tmp / "fake-replay.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        'out=""\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && out="$2"; shift; done\n'
+        f'mkdir -p "$out" && cp {tmp / "canned.json"} "$out/report.json"\n'
+    )
+    script.chmod(0o755)
+    text = (REPO / "qualification" / "profiles" / "cpu-replay.toml").read_text()
+    profile = tmp / "fake.toml"
+    profile.write_text(text.replace('command = ["bidkv-replay"]', f'command = ["{script}"]'))
+    return profile
+
+
+ARM = '"label": "x", "completed": 1, "output_tokens": 1'
+
+
+@needs_manager
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        ("{bad", "cannot be read as JSON"),
+        ("[1, 2]", "expected a JSON object, got an array"),
+        ('{"arms": [{"label": "x"}]}', "expected 'requests'"),
+        (f'{{"arms": [{{{ARM}, "requests": NaN}}]}}', "got nan"),
+    ],
+)
+def test_malformed_report_is_one_line_naming_it(
+    tmp_path: Path, report: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bad replay report.json is bad input (exit 2, one line naming the file), not a
+    # traceback from json.loads, dict access on a list or int(nan).
+    profile = _fake_replay_profile(tmp_path, report)
+    out = tmp_path / "out"
+    assert main(["run", str(profile), "--out", str(out), "--repeats", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qualification: error: bidkv-replay report ") and message in err
+    assert str(out / "cells") in err and "report.json" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-1", "true", '"3"'])
+def test_report_counts_must_be_finite_numbers(tmp_path: Path, value: str) -> None:
+    # `requests` feeds int(); NaN/inf/strings/booleans must name the file, not crash.
+    path = tmp_path / "report.json"
+    path.write_text(f'{{"arms": [{{{ARM}, "requests": {value}}}]}}')
+    with pytest.raises(QualificationError, match=r"report\.json: arm 'x': expected 'requests'"):
+        arm_from_report("baseline", read_report(path), [], 0.0, str(path))

@@ -173,3 +173,54 @@ def test_bad_profile_is_one_line(
 def test_unknown_profile_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "no-such-profile", "--dry-run"]) == 2
     assert "expected one of" in capsys.readouterr().err
+
+
+def test_out_must_not_be_an_existing_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `run --out FILE` is bad input named on one line, not a FileExistsError traceback.
+    existing = tmp_path / "afile"
+    existing.write_text("")
+    assert main(["run", "cpu-replay", "--out", str(existing), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"qualification: error: --out {existing}: exists and is not a directory; "
+        "expected a directory or a new path\n"
+    )
+
+
+@pytest.mark.parametrize("placeholder", ["{seed.real}", "{nope}", "{0}", "{"])
+def test_bad_replay_placeholder_is_a_profile_error(
+    tmp_path: Path, placeholder: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Attribute/index access in a replay argument used to escape as AttributeError.
+    text = (PROFILE_DIR / "cpu-replay.toml").read_text()
+    variant = tmp_path / "placeholder.toml"
+    variant.write_text(text.replace('"--seed", "{seed}"', f'"--seed", "{placeholder}"'))
+    assert main(["run", str(variant), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qualification: error: profile cpu-replay: replay argument ")
+    assert repr(placeholder) in err and "expected plain {name}" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("(rank=(\\d+)", "not a valid regular expression"),
+        ("rank=\\d+", "exactly one group capturing the rank, got 0"),
+    ],
+)
+def test_tp_rank_pattern_is_checked_on_load(
+    tmp_path: Path, pattern: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An unusable tp_rank_pattern fails at load, not as re.error after the serve run.
+    text = (PROFILE_DIR / "ascend-tp4.toml").read_text()
+    old = "tp_rank_pattern = '(?:rank=|tp_rank=|TP rank )(\\d+)'"
+    assert old in text
+    variant = tmp_path / "rank.toml"
+    variant.write_text(text.replace(old, f"tp_rank_pattern = '{pattern}'"))
+    assert main(["run", str(variant), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"qualification: error: profile {variant}: server.tp_rank_pattern: ")
+    assert message in err and err.count("\n") == 1

@@ -98,9 +98,26 @@ def test_every_problem_is_listed(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "no released section '## [1.2.3]'" in text
     assert "no passing qualification record" in text
     assert len(result.problems) == 3
+    (tmp_path / "none").mkdir()  # exists but holds no record
     code = main(["release-check", "--root", str(root), "--records", str(tmp_path / "none")])
     assert code == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_missing_records_path_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A --records path that does not exist is a typo (exit 2, one line naming it), not a
+    # failed release check (exit 1).
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    missing = tmp_path / "no-such-records"
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    assert main([*argv, "--records", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("qualification: error: --records ")
+    assert str(missing) in captured.err and captured.err.count("\n") == 1
+    assert captured.out == ""
 
 
 def test_static_pyproject_version_must_agree(tmp_path: Path) -> None:
