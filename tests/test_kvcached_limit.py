@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,103 @@ def test_activation_plugin_starts_responder_only_when_enabled(
     finally:
         assert responder is not None
         responder.stop()
+
+
+
+def _cli_within(seconds: float, *argv: str) -> tuple[int, str]:
+    """Run the command in a child; fail, instead of hanging the suite, past ``seconds``."""
+    proc = _cli({}, *argv)
+    try:
+        _, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"kvcached-provider limit {' '.join(argv)} still running after {seconds} s")
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+def test_timeout_must_be_finite(dirs: tuple[Path, Path], value: str) -> None:
+    """--timeout nan used to wait forever and inf never timed out: both are bad input now."""
+    code, err = _cli_within(10, "--ipc", IPC, f"--timeout={value}", "1G")
+    assert code == 2
+    assert "is invalid: expected a finite positive number of seconds" in err
+    assert err.count("\n") == 1
+    assert not (dirs[0] / "instances.json").exists()  # refused before reserving a revision
+
+
+def test_set_limit_refuses_nan_timeout(dirs: tuple[Path, Path]) -> None:
+    """The library entry refuses a NaN timeout too, instead of polling forever."""
+    errors: list[Exception] = []
+
+    def call() -> None:
+        try:
+            set_limit(IPC, 1 << 30, timeout_s=float("nan"))
+        except LimitError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "set_limit(timeout_s=nan) is still waiting"
+    assert errors and "expected a finite positive number" in str(errors[0])
+
+
+def test_oversized_limit_is_refused(dirs: tuple[Path, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A size beyond int64 (or so long it parses as inf) is one-line bad input, not a traceback."""
+    for text in ["1" * 400, "8388608T"]:
+        code, _, err = run(capsys, text)
+        assert code == 2 and err.count("\n") == 1
+        assert "expected at most 9223372036854775807 bytes" in err
+
+
+@pytest.mark.parametrize("body", ["{bad", "[]", "{}"])
+def test_malformed_answer_is_named_and_request_withdrawn(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, body: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A malformed answer file is reported by path with what was expected, and the request
+    is withdrawn so that it cannot apply later."""
+    monkeypatch.delenv("KVCACHED_IPC_NAME")
+    box = dirs[0] / "mailbox" / IPC
+    box.mkdir(parents=True)
+    (box / "ans-1.json").write_text(body)
+    code, _, err = run(capsys, "--timeout", "0.1", "1G")
+    assert code == 2 and err.count("\n") == 1
+    assert f"{box / 'ans-1.json'} is not a valid limit answer: expected the JSON object" in err
+    assert "the request was withdrawn" in err
+    assert not (box / "req-1.json").exists()
+
+
+def test_mailbox_that_is_a_file_is_refused(dirs: tuple[Path, Path],
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A regular file where the instance's mailbox directory belongs is a one-line error."""
+    monkeypatch.delenv("KVCACHED_IPC_NAME")
+    (dirs[0] / "mailbox").mkdir(parents=True)
+    (dirs[0] / "mailbox" / IPC).write_text("")
+    code, _, err = run(capsys, "--timeout", "0.1", "1G")
+    assert code == 2 and err.count("\n") == 1
+    assert f"mailbox {dirs[0] / 'mailbox' / IPC} is not usable: expected a directory" in err
+
+
+@pytest.mark.parametrize("name", [IPC, f"{IPC}_g1"])
+def test_control_record_that_is_a_directory_is_refused(
+    dirs: tuple[Path, Path], name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory at a control record's path (group 0 or another KV group) is a one-line
+    error naming the path, not an IsADirectoryError."""
+    (dirs[1] / name).mkdir()
+    code, _, err = run(capsys, "--timeout", "0.1", "1G")
+    assert code == 2 and err.count("\n") == 1
+    assert (f"{dirs[1] / name} is not a kvcached control record: expected a regular file "
+            "of 24 bytes, found a directory") in err
+
+
+def test_control_record_that_is_a_fifo_does_not_hang(dirs: tuple[Path, Path]) -> None:
+    """A FIFO at the control record's path is refused at once instead of blocking in open."""
+    os.mkfifo(dirs[1] / IPC)
+    code, err = _cli_within(10, "--ipc", IPC, "--timeout", "0.1", "1G")
+    assert code == 2 and err.count("\n") == 1
+    assert "expected a regular file of 24 bytes, found a FIFO" in err

@@ -25,6 +25,7 @@ from kvcached_provider.limit import (
     parse_size,
     set_limit,
     validate_ipc_name,
+    validate_timeout,
 )
 
 __all__ = ["main"]
@@ -67,8 +68,7 @@ def _summary(result: LimitResult) -> str:
 
 
 def _limit(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise LimitError(f"--timeout {args.timeout:g} is invalid: expected a positive number")
+    validate_timeout(args.timeout)
     validate_ipc_name(args.ipc)
     result = set_limit(args.ipc, parse_size(args.size), timeout_s=args.timeout,
                        adopt=args.adopt)

@@ -58,8 +58,10 @@ import contextlib
 import fcntl
 import importlib
 import json
+import math
 import os
 import re
+import stat
 import struct
 import sys
 import tempfile
@@ -87,6 +89,7 @@ __all__ = [
     "set_limit",
     "state_dir",
     "validate_ipc_name",
+    "validate_timeout",
 ]
 
 LimitStatus = Literal["applied", "deferred", "stale", "conflict", "unavailable", "rejected"]
@@ -94,6 +97,7 @@ ACCEPTED_STATES: frozenset[str] = frozenset({"applied", "deferred"})
 _RECORD = struct.Struct("=qqq")  # total_size, used_size, prealloc_size: native int64
 _REQUEST_SCHEMA = "kvcached-provider.limit-request/1"
 _POLL_S = 0.05
+_MAX_LIMIT = (1 << 63) - 1  # the control record's total_size is an int64
 
 
 class LimitError(Exception):
@@ -119,7 +123,13 @@ def parse_size(text: str) -> int:
             "(binary multiples), e.g. 512M or 8G"
         )
     number, unit, _ = match.groups()
-    return int(float(number) * _UNITS[unit.lower()])
+    size = float(number) * _UNITS[unit.lower()]
+    if not size <= _MAX_LIMIT:  # also catches inf from an overlong number
+        raise LimitError(
+            f"size {text!r} is invalid: expected at most {_MAX_LIMIT} bytes, the largest "
+            "total_size a kvcached control record holds"
+        )
+    return int(size)
 
 
 def validate_ipc_name(name: str) -> str:
@@ -129,6 +139,15 @@ def validate_ipc_name(name: str) -> str:
             "characters from [A-Za-z0-9_-]"
         )
     return name
+
+
+def validate_timeout(seconds: float) -> float:
+    """``--timeout``: NaN would never expire and inf never time out, so both are refused."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise LimitError(
+            f"--timeout {seconds:g} is invalid: expected a finite positive number of seconds"
+        )
+    return seconds
 
 
 # --------------------------------------------------------------------------- results
@@ -214,15 +233,23 @@ def read_control_record(name: str, directory: Path | None = None) -> ControlReco
     """Read one record under a shared ``flock``, as kvcached's readers do; None if absent."""
     path = (directory if directory is not None else shm_dir()) / name
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO planted at the path must not hang (no effect on files).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise LimitError(f"cannot read kvcached control record {path}: {exc.strerror}") from exc
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LimitError(
+                f"{path} is not a kvcached control record: expected a regular file of "
+                f"{_RECORD.size} bytes, found {_file_kind(info.st_mode)}"
+            )
         fcntl.flock(fd, fcntl.LOCK_SH)
         data = os.pread(fd, _RECORD.size + 1, 0)
-        inode = os.fstat(fd).st_ino
+    except OSError as exc:
+        raise LimitError(f"cannot read kvcached control record {path}: {exc.strerror}") from exc
     finally:
         os.close(fd)  # closing drops the flock
     if len(data) != _RECORD.size:
@@ -231,7 +258,17 @@ def read_control_record(name: str, directory: Path | None = None) -> ControlReco
             f"found {len(data)}"
         )
     total, used, prealloc = _RECORD.unpack(data)
-    return ControlRecord(name, inode, total, used, prealloc)
+    return ControlRecord(name, info.st_ino, total, used, prealloc)
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device or other special file"
 
 
 def _instance_records(ipc: str, directory: Path | None = None) -> dict[str, ControlRecord]:
@@ -439,17 +476,59 @@ def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
         raise
 
 
+def _read_answer(path: Path) -> dict[str, Any] | None:
+    """The answer file's JSON object; None while it does not exist yet."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise LimitError(f"cannot read limit answer {path}: {detail}") from exc
+    expected = "expected the JSON object an engine responder writes"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise LimitError(f"{path} is not a valid limit answer: {expected}, but it is not "
+                         f"JSON ({exc})") from exc
+    if not isinstance(data, dict) or not data:
+        raise LimitError(f"{path} is not a valid limit answer: {expected}, found "
+                         f"{json.dumps(data)[:40]}")
+    return data
+
+
 def _wait_for(path: Path, deadline: float) -> dict[str, Any] | None:
     while True:
-        try:
-            data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            data = {}
-        if data:
+        data = _read_answer(path)
+        if data is not None:
             return data
         if time.monotonic() >= deadline:
             return None
         time.sleep(_POLL_S)
+
+
+def _open_mailbox(box: Path) -> None:
+    try:
+        box.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as exc:
+        raise LimitError(f"mailbox {box} is not usable: expected a directory, found a file "
+                         "(move it away)") from exc
+    except OSError as exc:
+        raise LimitError(f"mailbox {box} is not usable: {exc.strerror}; expected a writable "
+                         "directory (set KVCACHED_PROVIDER_STATE_DIR to move it)") from exc
+
+
+def _wait_or_withdraw(request: Path, answer: Path, deadline: float) -> dict[str, Any] | None:
+    """``_wait_for``, but a bad answer first withdraws the request, so it never applies."""
+    try:
+        return _wait_for(answer, deadline)
+    except LimitError as exc:
+        try:
+            request.unlink()
+            outcome = "the request was withdrawn and nothing was applied"
+        except FileNotFoundError:
+            outcome = "the engine had claimed the request, so the limit may be in force"
+        raise LimitError(f"{exc}; {outcome}") from exc
 
 
 def _via_engine(
@@ -457,20 +536,23 @@ def _via_engine(
     directory: Path,
 ) -> LimitResult:
     box = _mailbox(ipc, directory)
-    box.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _open_mailbox(box)
     request = box / f"req-{revision}.json"
     answer = box / f"ans-{revision}.json"
-    _write_json_atomic(request, {
-        "schema": _REQUEST_SCHEMA, "ipc_name": ipc, "limit_bytes": limit_bytes,
-        "revision": revision, "check_startup": check_startup,
-    })
-    data = _wait_for(answer, time.monotonic() + timeout_s)
+    try:
+        _write_json_atomic(request, {
+            "schema": _REQUEST_SCHEMA, "ipc_name": ipc, "limit_bytes": limit_bytes,
+            "revision": revision, "check_startup": check_startup,
+        })
+    except OSError as exc:
+        raise LimitError(f"cannot write limit request {request}: {exc.strerror}") from exc
+    data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
     if data is None:
         try:
             request.unlink()  # withdraw: an unclaimed request must not apply later
         except FileNotFoundError:
             # Claimed meanwhile: the engine is applying it; give it one more timeout.
-            data = _wait_for(answer, time.monotonic() + timeout_s)
+            data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
             if data is None:
                 return LimitResult.refused(
                     ipc, limit_bytes, revision, status="unavailable",
@@ -580,6 +662,7 @@ def set_limit(
 ) -> LimitResult:
     """Apply ``limit_bytes`` to instance ``ipc`` with the next revision; see the module doc."""
     validate_ipc_name(ipc)
+    validate_timeout(timeout_s)
     if limit_bytes < 0:
         raise LimitError(f"limit {limit_bytes} is invalid: expected a non-negative size")
     base = directory if directory is not None else state_dir()
