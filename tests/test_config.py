@@ -38,6 +38,15 @@ def test_manifest_activation_restates_the_defaults() -> None:
         environment["BIDKV_UTILITY_LIVENESS_PREEMPTIONS"])
 
 
+def test_score_parameters_default_to_the_config_defaults() -> None:
+    """UtilityParams mirrors the score's fields of BidKVConfig (a plain dataclass read on
+    the hot path); its own defaults must be the config's, or a strategy built without a
+    config would score differently from the shipped policy."""
+    from bidkv_ext.strategies.utility import UtilityParams
+
+    assert UtilityParams() == UtilityParams.from_config(BidKVConfig())
+
+
 def test_environment_then_additional_config_precedence() -> None:
     env = {"BIDKV_UTILITY_ENABLE": "1", "BIDKV_UTILITY_STRATEGY": "lifo",
            "BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "4"}
