@@ -110,6 +110,30 @@ def test_child_ignoring_sigterm_is_killed_after_grace(env: dict[str, str], tmp_p
     assert group_members(pid) == []
 
 
+def test_second_signal_before_the_child_exists_still_kills_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two signals that land while the child is still being spawned: the first is forwarded
+    once it exists and the second escalates to SIGKILL then, not at the grace deadline."""
+    from hust_ext_manager import launch
+
+    real_popen = subprocess.Popen
+
+    def popen_after_two_signals(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the manager's own handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The child ignores SIGTERM from its first instruction (SIG_IGN survives exec), so
+        # only a SIGKILL ends it before the grace deadline.
+        ignore_term = lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)  # noqa: E731
+        return real_popen(*args, preexec_fn=ignore_term, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_after_two_signals)
+    started = time.monotonic()
+    code = launch.supervise(["sleep", "60"], dict(os.environ), grace=60.0)
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 30.0  # not the 60 s grace
+
+
 def test_no_orphans_remain_in_the_process_group(env: dict[str, str], tmp_path: Path) -> None:
     """The child exits at once, leaving a SIGTERM-ignoring grandchild in its group."""
     ready = tmp_path / "ready"

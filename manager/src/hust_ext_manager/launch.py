@@ -173,6 +173,7 @@ class _Supervisor:
         self.deadline: float | None = None
         self.killed = False
         self.forwarded = False
+        self.escalated = False
         self.child: subprocess.Popen[bytes] | None = None
 
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -180,8 +181,9 @@ class _Supervisor:
             self.first_signal = signum
             self.deadline = time.monotonic() + self.grace
             self.forward()
-        elif self.child is not None:
-            self.kill()  # a second signal escalates at once
+        else:
+            self.escalated = True  # a second signal escalates at once
+            self.kill()
 
     def forward(self) -> None:
         if self.child is not None and self.first_signal is not None and not self.forwarded:
@@ -229,7 +231,10 @@ def supervise(command: Sequence[str], environment: Mapping[str, str], grace: flo
         supervisor.child = subprocess.Popen(
             list(command), env=dict(environment), start_new_session=True
         )
-        supervisor.forward()  # a signal that arrived before the child existed
+        # Signals that arrived before the child existed: forward the first, honour a second.
+        supervisor.forward()
+        if supervisor.escalated:
+            supervisor.kill()
         code = supervisor.wait_child()
         supervisor.clean_group(supervisor.child.pid)
     finally:
