@@ -8,7 +8,8 @@ Checks, all reported together:
    ``extension_version`` equal to that version.
 3. ``CHANGELOG.md`` has a released section ``## [<version>]`` (Keep a Changelog).
 4. A passing qualification record exists for this version whose host version lies in the
-   BidKV manifest's host range.
+   BidKV manifest's host range, from an accelerator run (the CPU replay record gates CI,
+   not releases).
 5. If the manifest carries ``activation.additional_config._manager_runtime_qualification``,
    a passing record in range also matches that profile (accelerator, model, tensor
    parallel size, execution mode; ``tested_runtime_commit`` when the record has a commit).
@@ -42,6 +43,7 @@ MANIFEST_NAMES = ("vllm-hust-extension-v0.2.json", "vllm-hust-extension-v1.json"
 PROFILE_KEY = "_manager_runtime_qualification"
 PROFILE_MATCH_KEYS = ("accelerator", "model", "tensor_parallel_size", "execution_mode")
 PRIMARY_BUNDLE = "org.vllm-hust.bidkv"
+CI_ACCELERATOR = "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,14 @@ def _record_in_range(
             return f"host version {host_version} outside {host_range}"
     except InvalidVersion:
         return f"host version {host_version!r} is not a version"
+    profile = doc.get("profile")
+    accelerator = profile.get("accelerator") if isinstance(profile, Mapping) else None
+    if not isinstance(accelerator, str) or not accelerator:
+        return "names no accelerator"
+    if accelerator == CI_ACCELERATOR:
+        # qualification.md §9: the CPU replay gates CI; a release needs a run on the
+        # accelerator and model it names (the cuda or ascend-tp4 profile).
+        return "a CPU replay record is the CI gate, not a release qualification"
     return None
 
 

@@ -136,6 +136,8 @@ def test_static_pyproject_version_must_agree(tmp_path: Path) -> None:
         ({"passed": False}, "gate did not pass"),
         ({"version": "1.2.2"}, "extension version 1.2.2 != 1.2.3"),
         ({"host": "0.34.0"}, "host version 0.34.0 outside"),
+        ({"accelerator": "cpu"}, "a CPU replay record is the CI gate, not a release"),
+        ({"accelerator": ""}, "names no accelerator"),
     ],
 )
 def test_record_must_pass_for_this_version_and_host_range(
