@@ -224,3 +224,13 @@ def test_tp_rank_pattern_is_checked_on_load(
     err = capsys.readouterr().err
     assert err.startswith(f"qualification: error: profile {variant}: server.tp_rank_pattern: ")
     assert message in err and err.count("\n") == 1
+
+
+def test_gpu_profiles_carry_the_same_cells_and_recovery_text() -> None:
+    """qualification.md §9: the CUDA lane runs the Ascend lane's cells (same names, same
+    order) and both check the recovery request's exact text, not only its HTTP 200."""
+    cuda, ascend = load_profile("cuda"), load_profile("ascend-tp4")
+    assert [c.name for c in cuda.cells] == [c.name for c in ascend.cells]
+    assert len(cuda.cells) == 6
+    for profile in (cuda, ascend):
+        assert profile.workload.recovery_expected == "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
