@@ -31,6 +31,7 @@ from qualification.evidence import (
     metric_delta,
     parse_prometheus,
 )
+from qualification.figures import serve_figures
 from qualification.manager import Arm, ManagerSession
 from qualification.profile import CellSpec, Profile, ServerSpec
 from qualification.stats import percentile
@@ -275,5 +276,11 @@ class ServeArm:
             extra={
                 "makespan_s": load.makespan,
                 "cancelled": sum(r.cancelled for r in load.results),
+                **serve_figures(load.results, load.makespan),
+                # Recompute shows as prompt tokens computed locally beyond the prompts sent
+                # (the client does not tokenize, so the raw delta is recorded).
+                "prompt_tokens_local_compute": metric_delta(
+                    before, after, "vllm:prompt_tokens_by_source", source="local_compute"
+                ),
             },
         )
