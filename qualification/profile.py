@@ -8,13 +8,22 @@ validated with pydantic on load so a typo fails before any server starts.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from qualification.errors import QualificationError
 
@@ -180,6 +189,13 @@ class Profile(_Frozen):
     cells: tuple[CellSpec, ...] = Field(min_length=1)
     # Declared in the matrix but not run: reported as `blocked` (qualification.md §3).
     blocked_cells: tuple[str, ...] = ()
+    # sha256 of the file this profile was loaded from (set by load_profile; None when the
+    # profile was built in code), so a record names the exact definition it ran.
+    _source_sha256: str | None = PrivateAttr(default=None)
+
+    @property
+    def source_sha256(self) -> str | None:
+        return self._source_sha256
 
     @field_validator("host_version_range")
     @classmethod
@@ -221,11 +237,14 @@ def load_profile(name_or_path: str) -> Profile:
             f"expected one of {known} or a .toml path"
         )
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        data = tomllib.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise QualificationError(f"profile {path}: cannot be read as TOML ({exc})") from exc
     try:
-        return Profile.model_validate(data)
+        profile = Profile.model_validate(data)
+        profile._source_sha256 = hashlib.sha256(raw).hexdigest()
+        return profile
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<top level>"

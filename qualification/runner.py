@@ -9,7 +9,6 @@ Arm order within a pair is ``(cell_index + repetition) % 2``: 0 runs the baselin
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import importlib.metadata
 import os
 import platform
@@ -26,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 from qualification import RECORD_SCHEMA
 from qualification.errors import QualificationError
 from qualification.manager import Arm, ManagerSession, require_tool
-from qualification.profile import CellSpec, Profile, resolve_profile_path
+from qualification.profile import CellSpec, Profile
 from qualification.report import gate_summary, write_json_atomic, write_markdown, write_plot
 from qualification.serve import ServeArm, serve_command, serve_environment
 from qualification.verdict import ArmResult, CellOutcome, Pair, evaluate_cell
@@ -224,10 +223,7 @@ def run_profile(
 
 
 def build_record(profile: Profile, outcomes: list[CellOutcome], repeats: int) -> dict[str, object]:
-    profile_path = resolve_profile_path(profile.name)
-    digest = (
-        hashlib.sha256(profile_path.read_bytes()).hexdigest() if profile_path.is_file() else None
-    )
+    digest = profile.source_sha256  # the file actually loaded, not the bundled namesake
     server = profile.server
     return {
         "schema": RECORD_SCHEMA,

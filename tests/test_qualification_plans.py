@@ -234,3 +234,24 @@ def test_gpu_profiles_carry_the_same_cells_and_recovery_text() -> None:
     assert len(cuda.cells) == 6
     for profile in (cuda, ascend):
         assert profile.workload.recovery_expected == "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
+
+
+def test_record_hashes_the_profile_file_actually_loaded(tmp_path: Path) -> None:
+    """A modified copy that keeps the bundled name must not be recorded under the bundled
+    file's sha256: the record names the definition that ran."""
+    import hashlib
+
+    from qualification.runner import build_record
+
+    bundled = PROFILE_DIR / "cpu-replay.toml"
+    copy = tmp_path / "mine.toml"
+    copy.write_text(bundled.read_text().replace("repeats = 3", "repeats = 4"))
+    profile = load_profile(str(copy))
+    assert profile.name == "cpu-replay"
+    record = build_record(profile, [], profile.repeats)
+    digest = record["profile"]["sha256"]  # type: ignore[index]
+    assert digest == hashlib.sha256(copy.read_bytes()).hexdigest()
+    assert digest != hashlib.sha256(bundled.read_bytes()).hexdigest()
+    assert load_profile("cpu-replay").source_sha256 == hashlib.sha256(
+        bundled.read_bytes()
+    ).hexdigest()
