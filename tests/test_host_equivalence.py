@@ -106,3 +106,36 @@ def test_policy_scheduler_matches_stock(
         # The policy was asked at every decision and abstained each time.
         assert stats["calls"] > 0 and stats["enabled"] is True
         assert stats["abstentions"] == stats["calls"] and stats["selections"] == 0
+
+
+def test_async_variant_matches_stock_async_scheduler(
+    vllm_offline: ModuleType, make_scheduler: Any
+) -> None:
+    """``PolicyAsyncScheduler`` (what ``policy_scheduler`` builds under vLLM 0.33.0's default
+    async scheduling) with an abstaining policy is stock ``AsyncScheduler`` step by step;
+    with BidKV choosing it runs the same workload to completion and returns every block."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from bidkv_ext.config import BidKVConfig
+    from bidkv_ext.hosts.vllm import PolicyAsyncScheduler
+    from bidkv_ext.selector import BidkvPreemptionPolicy
+
+    def run(cls: type | None, policy: object) -> tuple[Any, list[object], int]:
+        scheduler = make_scheduler(
+            num_gpu_blocks=NUM_GPU_BLOCKS, scheduler_cls=cls, preemption_policy=policy,
+            async_scheduling=True, **CONFIG,
+        )
+        return (scheduler, *trace_run(vllm_offline, scheduler))
+
+    _, expected, stock_preemptions = run(AsyncScheduler, None)
+    assert stock_preemptions > 50, "workload must put the KV cache under pressure"
+    ours, actual, preemptions = run(PolicyAsyncScheduler, AlwaysAbstain())
+    assert type(ours) is PolicyAsyncScheduler
+    assert preemptions == stock_preemptions and actual == expected
+    chosen, _, bidkv_preemptions = run(
+        PolicyAsyncScheduler, BidkvPreemptionPolicy(BidKVConfig(enabled=True))
+    )
+    stats = chosen.controller.export_stats()
+    assert stats["selections"] == stats["calls"] == bidkv_preemptions > 0
+    assert stats["failures"] == 0
+    assert vllm_offline.free_blocks(chosen) == NUM_GPU_BLOCKS - 1  # all returned

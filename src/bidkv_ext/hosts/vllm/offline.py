@@ -89,6 +89,7 @@ def build_vllm_config(
     policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
     additional_config: dict[str, Any] | None = None,
+    async_scheduling: bool = False,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A ``VllmConfig`` and a ``KVCacheConfig`` of ``num_gpu_blocks`` blocks, built offline.
 
@@ -113,7 +114,7 @@ def build_vllm_config(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=0,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         is_encoder_decoder=model_config.is_encoder_decoder,
         watermark=0.0,
         policy=policy,  # type: ignore[arg-type]  # validated by vLLM
