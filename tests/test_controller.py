@@ -197,16 +197,23 @@ def _capture(errors: list[BaseException], call: Any) -> None:
         errors.append(exc)
 
 
-def test_evidence_sink_failure_never_changes_the_victim() -> None:
+def test_evidence_sink_failure_never_changes_the_victim(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failing (strict) sink changes no decision, and the failure is visible at WARNING."""
     events: list[str] = []
 
     def sink(event: str, stats: dict[str, object]) -> None:
         events.append(event)
         raise OSError("disk full")
 
-    controller = PolicyController(Fixed("a"), evidence=sink)
-    assert controller.select_victim(three()) == "a"
+    with caplog.at_level(logging.WARNING, logger="bidkv_ext.controller"):
+        controller = PolicyController(Fixed("a"), evidence=sink)
+        assert controller.select_victim(three()) == "a"
     assert events == ["initialized", "effective"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["evidence sink failed for initialized event: disk full",
+                      "evidence sink failed for effective event: disk full"]
     bad = PolicyController(Fixed("zzz"), evidence=sink)
     assert bad.select_victim(three()) == "c"
     assert events[-1] == "disabled"

@@ -249,8 +249,10 @@ class PolicyController:
             return
         try:
             sink(event, self.export_stats())
-        except Exception:  # evidence must never change a decision
-            logger.debug("evidence sink failed for %s", event, exc_info=True)
+        except Exception as exc:  # evidence must never change a decision
+            # Only a strict sink raises (VLLM_ECPA_EVIDENCE_STRICT=1): say so where an
+            # operator looks. Events are lifecycle ones (a few per process), not per call.
+            logger.warning("evidence sink failed for %s event: %s", event, exc)
 
 
 class PreemptionPolicyController(PolicyController):
