@@ -34,12 +34,13 @@ Arm kinds
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+from bidkv_ext.contract import PreemptionCandidate, PreemptionContext, PreemptionPolicy
 
 __all__ = [
     "CLAIRVOYANT",
@@ -47,6 +48,8 @@ __all__ = [
     "ArmError",
     "ClairvoyantShortestRemaining",
     "ReferenceBidkv021",
+    "arm_additional_config",
+    "check_arms",
     "named_arm",
     "parse_arms",
 ]
@@ -189,6 +192,10 @@ def named_arm(name: str, seed: int) -> Arm:
     """
     label = name
     name, extra = _overrides(name)
+    if extra and name in (CLAIRVOYANT, REFERENCE_BIDKV):
+        # Not silently dropped: the user would believe the arm ran with them.
+        raise ArmError(f"--policies {label!r}: {name} takes no settings; only the selector's "
+                       "strategies do (e.g. bidkv{preempt_weight=2})")
     if name == CLAIRVOYANT:
         return Arm(
             "clairvoyant (reference)",
@@ -221,6 +228,9 @@ def _host_arm(spec: str) -> Arm:
     module, _, attr = spec.rpartition(".")
     if not module or not attr or ":" in spec:
         raise ArmError(f"--preemption-policy must be a dotted path 'module.Object', got {spec!r}")
+    # Resolved here, as the host will (module, then one attribute), so a typo fails before
+    # any arm runs; the host still loads the spec string itself.
+    _policy_object("--preemption-policy", spec, module, [attr])
     return Arm(spec, "host", lambda _lengths: spec)
 
 
@@ -228,13 +238,115 @@ def _class_arm(spec: str) -> Arm:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ArmError(f"--policy-class must look like 'module:Object', got {spec!r}")
+    obj = _policy_object("--policy-class", spec, module_name, attr.split("."))
+    return Arm(spec, "class", lambda _lengths: obj)
+
+
+def _policy_object(flag: str, spec: str, module_name: str, attrs: list[str]) -> object:
+    """Import ``module_name``, walk ``attrs`` and check the result can become a policy."""
     try:
         obj: object = importlib.import_module(module_name)
-        for part in attr.split("."):
+        for part in attrs:
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ArmError(f"--policy-class {spec!r} cannot be imported: {exc}") from None
-    return Arm(spec, "class", lambda _lengths: obj)
+    except Exception as exc:
+        # Any exception: importing the user's module runs its code, which may raise anything.
+        raise ArmError(f"{flag} {spec!r} cannot be imported: {_one_line(exc)}") from None
+    problem = _not_a_policy(obj)
+    if problem:
+        raise ArmError(f"{flag} {spec!r}: {problem}")
+    return obj
+
+
+def _not_a_policy(obj: object) -> str:
+    """Why the host's loader (``controller.load_policy``) would refuse ``obj``; "" if not.
+
+    Mirrors its rules without calling anything: an instance with ``select_victim``, an
+    object with ``from_vllm_config``, or a class with ``select_victim`` whose constructor
+    takes no required argument.
+    """
+    if callable(getattr(obj, "from_vllm_config", None)):
+        return ""
+    if not isinstance(obj, type):
+        if isinstance(obj, PreemptionPolicy):
+            return ""
+        name = getattr(obj, "__name__", None)
+        what = f"{type(obj).__name__} {name}" if isinstance(name, str) else type(obj).__name__
+        return (f"{what} is not a preemption policy (expected a class or instance with "
+                "select_victim(context), or an object with from_vllm_config(vllm_config))")
+    if not callable(getattr(obj, "select_victim", None)):
+        return f"class {obj.__qualname__} has no select_victim(context) method"
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as exc:
+        return f"class {obj.__qualname__} cannot be built without arguments ({exc})"
+    except ValueError:
+        pass  # no signature to read (a builtin): the host will find out
+    return ""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def arm_additional_config(arm: Arm, additional_config: Mapping[str, object]) -> dict[str, object]:
+    """The ``additional_config`` the engine gives ``arm``: the arm's BidKV overrides merged
+    over the user's ``"bidkv"`` section (a section that is not an object is replaced)."""
+    additional = dict(additional_config)
+    if arm.bidkv_overrides is not None:
+        section = additional.get("bidkv")
+        merged = dict(section) if isinstance(section, Mapping) else {}
+        merged.update(arm.bidkv_overrides)
+        additional["bidkv"] = merged
+    return additional
+
+
+def check_arms(
+    arms: Sequence[Arm],
+    additional_config: Mapping[str, object],
+    *,
+    environ: Mapping[str, str],
+    block_size: int,
+    prefix_caching: bool,
+) -> None:
+    """Validate every arm's BidKV configuration as the engine will build it, before any arm
+    runs: a bad third arm must not cost the first two their results.
+
+    A ``--policies`` entry's own settings are checked alone first, so the message names the
+    entry (``--policies 'bidkv{nope=1}': nope is not a BidKV setting; ...``); then the
+    whole configuration (``BIDKV_UTILITY_*`` environment, ``--additional-config``), whose
+    messages name the variable or key. Raises :class:`ArmError`.
+    """
+    from bidkv_ext.config import BidKVConfig, ConfigError
+    from bidkv_ext.selector import BidkvPreemptionPolicy
+
+    # What the selector's from_vllm_config adds from the engine; it wins over any setting.
+    facts: dict[str, object] = {"block_size": block_size, "prefix_caching": prefix_caching}
+    for arm in arms:
+        if arm.bidkv_overrides is not None:
+            try:
+                BidKVConfig.from_sources(None, None, **{**arm.bidkv_overrides, **facts})
+            except ConfigError as exc:
+                raise ArmError(f"--policies {arm.label!r}: {exc}") from None
+        elif not _builds_selector(arm, BidkvPreemptionPolicy):
+            continue
+        try:
+            BidKVConfig.from_sources(arm_additional_config(arm, additional_config), environ,
+                                     **facts)
+        except ConfigError as exc:
+            raise ArmError(str(exc)) from None
+
+
+def _builds_selector(arm: Arm, selector: type) -> bool:
+    """Whether the host will build ``arm``'s policy with our selector's from_vllm_config."""
+    if arm.kind == "host":
+        module, _, attr = arm.label.rpartition(".")
+        obj = getattr(importlib.import_module(module), attr)
+    elif arm.kind == "class":
+        obj = arm.factory({})
+    else:
+        return False
+    return isinstance(obj, type) and issubclass(obj, selector)
 
 
 def parse_arms(

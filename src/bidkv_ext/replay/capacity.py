@@ -151,12 +151,18 @@ def parse_capacity_schedule(
 
 def _csv_rows(text: str, source: str) -> list[object]:
     reader = csv.DictReader(io.StringIO(text))
-    if reader.fieldnames is None or sorted(f.strip() for f in reader.fieldnames) != [
-        "blocks", "t",
-    ]:
-        raise CapacityScheduleError(f"{source}: expected a CSV header 't,blocks'")
-    return [{k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-            for row in reader]
+    try:
+        if reader.fieldnames is None or sorted(f.strip() for f in reader.fieldnames) != [
+            "blocks", "t",
+        ]:
+            raise CapacityScheduleError(f"{source}: expected a CSV header 't,blocks'")
+        return [{k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
+                for row in reader]
+    except csv.Error as exc:
+        # A field over csv.field_size_limit(), a NUL byte, an unterminated quote.
+        raise CapacityScheduleError(
+            f"{source}:{reader.line_num}: not valid CSV ({exc}); expected a header 't,blocks'"
+        ) from None
 
 
 def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
@@ -176,6 +182,11 @@ def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
             raise CapacityScheduleError(
                 f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}); expected a "
                 'list of {"t": seconds, "blocks": count} entries'
+            ) from None
+        except RecursionError:
+            raise CapacityScheduleError(
+                f'{source}: JSON nested too deeply; expected a list of {{"t": seconds, '
+                '"blocks": count} entries'
             ) from None
         if not isinstance(value, list):
             raise CapacityScheduleError(

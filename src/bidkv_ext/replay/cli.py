@@ -16,7 +16,10 @@ CSV ``t,blocks``) lowers and raises the KV blocks available over simulated time 
 kvcached's semantics (``bidkv_ext.replay.capacity``); ``--blocks-per-page`` sets the page
 geometry and ``--no-capacity-signals`` keeps the elastic pool but publishes no signals.
 
-Bad input (trace rows, files, flags, configuration) prints one line and exits 2.
+Bad input (trace rows, files, flags, configuration) prints one line and exits 2. All of it
+is checked before the first engine starts, every arm's policy and BidKV settings and the
+``--output-dir`` (created then) included, so a bad input never costs a finished arm. Report
+files and plots are written atomically (temporary file in the directory + ``os.replace``).
 """
 
 from __future__ import annotations
@@ -25,18 +28,20 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bidkv_ext.replay.arms import Arm, ArmError, parse_arms
+from bidkv_ext.replay.arms import Arm, ArmError, check_arms, parse_arms
 from bidkv_ext.replay.capacity import (
     DEFAULT_BLOCKS_PER_PAGE,
     CapacitySchedule,
     CapacityScheduleError,
     load_capacity_schedule,
 )
+from bidkv_ext.replay.report import OutputError, prepare_output_dir
 from bidkv_ext.replay.steptime import PRESETS, StepTimeModelError, load_step_model
 from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace, select_requests
 
@@ -55,6 +60,8 @@ SAMPLE_NUM_GPU_BLOCKS = 1600
 DEFAULT_NUM_GPU_BLOCKS = 4096
 DEFAULT_OUTPUT_DIR = Path("bidkv-replay-out")
 SCHEMA = "bidkv-replay/1"
+REPORT_FILES = ("report.json", "timing.json", "report.md")
+PLOT_FILES = ("ttft_cdf.png", "bars.png")
 
 
 class _UsageError(Exception):
@@ -125,6 +132,8 @@ def _additional_config(raw: str | None) -> dict[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError:
         raise _UsageError("--additional-config must contain a JSON object") from None
+    except RecursionError:
+        raise _UsageError("--additional-config: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise _UsageError("--additional-config must contain a JSON object")
     return value
@@ -144,12 +153,34 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise _UsageError(f"--num-gpu-blocks must be >= 2, got {args.num_gpu_blocks}")
     if args.max_requests is not None and args.max_requests < 1:
         raise _UsageError(f"--max-requests must be >= 1, got {args.max_requests}")
-    if not (args.rate_scale > 0 and math.isfinite(args.rate_scale)):
-        raise _UsageError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
-    if args.duration is not None and args.duration <= 0:
-        raise _UsageError(f"--duration must be > 0, got {args.duration}")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        # vLLM's SchedulerConfig rule, checked here to fail before the engine starts.
+        raise _UsageError(
+            f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= "
+            f"--max-num-seqs ({args.max_num_seqs})"
+        )
     if args.blocks_per_page < 1:
         raise _UsageError(f"--blocks-per-page must be >= 1, got {args.blocks_per_page}")
+    if args.seed < 0:
+        # NumPy seeds the fake token ids; it refuses negative seeds, but only mid-replay.
+        raise _UsageError(f"--seed must be an integer >= 0, got {args.seed}")
+    _check_floats(args)
+
+
+def _check_floats(args: argparse.Namespace) -> None:
+    # argparse's float() takes "nan" and "inf"; every comparison with NaN is False, so
+    # finiteness is checked first and explicitly.
+    if not (math.isfinite(args.start) and args.start >= 0):
+        raise _UsageError(f"--start must be a finite number of seconds >= 0, got {args.start}")
+    duration = args.duration
+    if duration is not None and not (math.isfinite(duration) and duration > 0):
+        raise _UsageError(f"--duration must be a finite number of seconds > 0, got {duration}")
+    if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
+        raise _UsageError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
+
+
+def _output_names(args: argparse.Namespace) -> tuple[str, ...]:
+    return REPORT_FILES + (() if args.no_plots else PLOT_FILES)
 
 
 def _sha256(path: Path) -> str:
@@ -166,14 +197,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (_UsageError, TraceError, StepTimeModelError, ArmError,
-            CapacityScheduleError) as exc:
+            CapacityScheduleError, OutputError) as exc:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         # Configuration errors raised while the host builds a policy (BidKVConfig and
-        # friends) are ValueErrors with one-line messages naming the setting.
-        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        # friends, vLLM's own pydantic configs) are ValueErrors naming the setting.
+        print(f"bidkv-replay: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: ValueError) -> str:
+    """A pydantic ValidationError prints several lines; keep its first error's message."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            message = str(first["msg"]).removeprefix("Value error, ")
+            return f"{where}: {message}" if where else message
+        except (TypeError, IndexError, KeyError):
+            pass
+    return " ".join(str(exc).split())
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -198,6 +243,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     if not arms:
         raise _UsageError("no policy arm: give --policies, --preemption-policy or --policy-class")
+    check_arms(arms, additional, environ=os.environ, block_size=args.block_size,
+               prefix_caching=args.prefix_caching)
 
     fmt = args.format
     raw = load_trace(trace_path, fmt)
@@ -214,6 +261,8 @@ def _run(args: argparse.Namespace) -> int:
     too_big = len(selection.requests) - len(requests)
     if not requests:
         raise _UsageError(f"{trace_path}: no request left after the window and length filters")
+    # Last check before the first engine: creates the directory, so only when all else passed.
+    prepare_output_dir(args.output_dir, _output_names(args))
 
     # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
     from bidkv_ext.replay.engine import ReplayError, ReplaySettings
@@ -305,6 +354,7 @@ def _write_outputs(
         format_capacity_table,
         format_table,
         markdown_report,
+        output_error,
         write_atomic,
         write_json,
         write_plots,
@@ -332,21 +382,32 @@ def _write_outputs(
         "step_model": step_model.as_dict(),
         "arms": results,
     }
-    out: Path = args.output_dir
-    write_json(out / "report.json", document)
-    write_json(out / "timing.json", {
-        "wall_seconds": walls,
-        "simulated_seconds_per_wall_second": speeds,
-    })
-    write_atomic(out / "report.md", markdown_report(document, speeds).encode())
-    if not args.no_plots:
-        write_plots(out, ttfts, results)
+    # The table first: if a file cannot be written after all, the results are on stdout.
     print(format_table(results, speeds))
     capacity_table = format_capacity_table(results)
     if capacity_table:
         print(capacity_table)
-    print(f"outputs: {out}/ (report.json, timing.json, report.md"
-          f"{'' if args.no_plots else ', ttft_cdf.png, bars.png'})")
+    out: Path = args.output_dir
+    timing = {"wall_seconds": walls, "simulated_seconds_per_wall_second": speeds}
+    writers: list[tuple[Path, Callable[[], None]]] = [
+        (out / "report.json", lambda: write_json(out / "report.json", document)),
+        (out / "timing.json", lambda: write_json(out / "timing.json", timing)),
+        (out / "report.md",
+         lambda: write_atomic(out / "report.md", markdown_report(document, speeds).encode())),
+    ]
+    if not args.no_plots:
+        writers.append((out, lambda: write_plots(out, ttfts, results)))
+    failed: list[OutputError] = []
+    for target, write in writers:
+        try:
+            write()
+        except OSError as exc:
+            # filename2 is os.replace's destination; filename is often the temporary file.
+            failed.append(output_error(Path(exc.filename2 or target), exc))
+    if failed:
+        # Every file that can be written was; the first failure is the one-line error.
+        raise failed[0]
+    print(f"outputs: {out}/ ({', '.join(_output_names(args))})")
     broken = [r["label"] for r in results if not _conserved(r)]
     if broken:
         print(f"bidkv-replay: error: conservation violated for {', '.join(map(str, broken))}",

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from bidkv_ext.replay.arms import Arm
+from bidkv_ext.replay.arms import Arm, arm_additional_config
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
 from bidkv_ext.replay.trace import TraceRequest
@@ -209,12 +209,7 @@ def run_arm(
     from vllm.v1.core.sched import scheduler as sched_module
     from vllm.v1.outputs import ModelRunnerOutput
 
-    additional = dict(settings.additional_config)
-    if arm.bidkv_overrides is not None:
-        section = additional.get("bidkv")
-        merged = dict(section) if isinstance(section, Mapping) else {}
-        merged.update(arm.bidkv_overrides)
-        additional["bidkv"] = merged
+    additional = arm_additional_config(arm, settings.additional_config)
     vllm_config, kv_cache_config = offline.build_vllm_config(
         num_gpu_blocks=settings.num_gpu_blocks,
         block_size=settings.block_size,

@@ -10,16 +10,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = [
+    "OutputError",
+    "atomic_output",
     "capacity_markdown",
     "format_capacity_table",
     "format_table",
     "markdown_report",
+    "output_error",
+    "prepare_output_dir",
     "write_atomic",
     "write_json",
     "write_plots",
@@ -169,17 +174,78 @@ def capacity_markdown(document: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory and ``os.replace``."""
+class OutputError(Exception):
+    """The output directory or a file in it cannot be written; the message is one line."""
+
+
+def prepare_output_dir(out: Path, names: Sequence[str]) -> None:
+    """Create ``out`` (with parents) and prove that ``names`` can be written there.
+
+    Run before any replay, so a bad ``--output-dir`` costs nothing: the directory must be
+    a directory, accept a new file, and no output name in it may be a directory (os.replace
+    cannot put a file there).
+    """
+    flag = f"--output-dir {str(out)!r}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{flag} exists and is not a directory") from None
+    except OSError as exc:
+        raise OutputError(f"{flag}: cannot create the directory: {_reason(exc)}") from None
+    for name in names:
+        if (out / name).is_dir():
+            raise OutputError(f"{flag}: {name} in it is a directory, not a file")
+    try:
+        fd, probe = _create_temporary(out / "write-probe")
+    except OSError as exc:
+        raise OutputError(f"{flag}: cannot write there: {_reason(exc)}") from None
+    os.close(fd)
+    probe.unlink(missing_ok=True)
+
+
+def output_error(path: Path, exc: OSError) -> OutputError:
+    """The one-line error for an output file that could not be written."""
+    return OutputError(f"cannot write {path}: {_reason(exc)}")
+
+
+def _reason(exc: OSError) -> str:
+    # strerror alone ("Not a directory") when the OS gives one: the path is named already.
+    return exc.strerror or str(exc)
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """A binary handle on a temporary file in ``path``'s directory, renamed onto ``path``
+    (``os.replace``) when the block ends without error and removed otherwise, so ``path``
+    is never left half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    # Not tempfile.mkstemp: it creates mode 0600. O_CREAT with 0o666 lets the kernel apply
+    # the umask (and any default ACL), so outputs get the mode any new file would get.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {path}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory and ``os.replace``."""
+    with atomic_output(path) as handle:
+        handle.write(data)
 
 
 def _clean(value: Any) -> Any:
@@ -243,7 +309,10 @@ def markdown_report(document: Mapping[str, Any], speeds: Mapping[str, float]) ->
 
 def write_plots(out_dir: Path, runs: Sequence[tuple[str, list[float]]],
                 arms: Sequence[Mapping[str, Any]]) -> None:
-    """``ttft_cdf.png`` (TTFT CDF per arm) and ``bars.png`` (recompute tax, P95 TTFT)."""
+    """``ttft_cdf.png`` (TTFT CDF per arm) and ``bars.png`` (recompute tax, P95 TTFT).
+
+    Each is written atomically; if one cannot be written the other still is, then the
+    first OSError is raised."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,9 +332,8 @@ def write_plots(out_dir: Path, runs: Sequence[tuple[str, list[float]]],
     ax.set_title("TTFT CDF per policy")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "ttft_cdf.png", dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    failed: list[OSError] = []
+    _save(plt, fig, out_dir / "ttft_cdf.png", failed)
 
     labels = [str(a["label"]) for a in arms]
     tax = [100.0 * float(a["recompute_tax"]) for a in arms]
@@ -280,6 +348,20 @@ def write_plots(out_dir: Path, runs: Sequence[tuple[str, list[float]]],
     for axis in (left, right):
         axis.tick_params(axis="x", rotation=30, labelsize=8)
         axis.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "bars.png", dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    _save(plt, fig, out_dir / "bars.png", failed)
+    if failed:
+        raise failed[0]
+
+
+def _save(plt: Any, fig: Any, path: Path, failed: list[OSError]) -> None:
+    """Render ``fig`` to ``path`` atomically (a failed render leaves no partial PNG); an
+    OSError goes to ``failed`` so the other plot is still written."""
+    try:
+        fig.tight_layout()
+        with atomic_output(path) as handle:
+            # format: the temporary file's name does not end in .png.
+            fig.savefig(handle, format="png", dpi=110, metadata={"Software": None})
+    except OSError as exc:
+        failed.append(exc)
+    finally:
+        plt.close(fig)

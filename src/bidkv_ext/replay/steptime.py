@@ -91,11 +91,13 @@ class StepTimeModelError(ValueError):
 class _ModelFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # Finite: an infinite coefficient makes every step last forever (the report's JSON
+    # cannot even hold it), and json.loads accepts Infinity and NaN.
     name: str = Field(min_length=1)
-    a: float = Field(ge=0)
-    b: float = Field(ge=0)
-    c: float = Field(ge=0)
-    d: float = Field(ge=0)
+    a: float = Field(ge=0, allow_inf_nan=False)
+    b: float = Field(ge=0, allow_inf_nan=False)
+    c: float = Field(ge=0, allow_inf_nan=False)
+    d: float = Field(ge=0, allow_inf_nan=False)
     source: str = ""
 
 
@@ -117,12 +119,15 @@ def load_step_model(spec: str) -> StepTimeModel:
         data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise StepTimeModelError(f"{path}: not valid JSON/TOML ({exc})") from None
+    except RecursionError:
+        raise StepTimeModelError(f"{path}: JSON/TOML nested too deeply") from None
     try:
         parsed = _ModelFile.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
         raise StepTimeModelError(
-            f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d >= 0, source)"
+            f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d: finite numbers "
+            ">= 0, source)"
         ) from None
     return StepTimeModel(parsed.name, parsed.a, parsed.b, parsed.c, parsed.d, parsed.source)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +35,8 @@ MOONCAKE_HASH_BLOCK_TOKENS = 512
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _AZURE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+# ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
 
 
 class TraceError(ValueError):
@@ -91,18 +94,31 @@ def load_trace(path: Path, fmt: TraceFormat = "auto") -> tuple[TraceRequest, ...
     return requests
 
 
-def _positive_int(path: Path, line: int, name: str, raw: object, minimum: int) -> int:
+def _positive_int(
+    path: Path, line: int, name: str, raw: object, minimum: int, *, text_ok: bool = True
+) -> int:
+    """An integer >= ``minimum``; CSV cells (``text_ok``) may spell it in ASCII digits."""
+    expected = f"{path}:{line}: {name} must be an integer >= {minimum}"
     if isinstance(raw, bool):
-        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {raw!r}")
+        raise TraceError(f"{expected}, got {raw!r}")
     if isinstance(raw, int):
         value = raw
-    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        value = int(raw)
+    elif text_ok and isinstance(raw, str) and _INTEGER_TEXT.fullmatch(raw.strip()):
+        try:
+            value = int(raw)
+        except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+            raise TraceError(f"{expected}, got a {len(raw.strip())}-digit number") from None
     else:
-        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {raw!r}")
+        raise TraceError(f"{expected}, got {_shown(raw)}")
     if value < minimum:
-        raise TraceError(f"{path}:{line}: {name} must be an integer >= {minimum}, got {value}")
+        raise TraceError(f"{expected}, got {_shown(value)}")
     return value
+
+
+def _shown(raw: object) -> str:
+    """``repr`` cut to one readable length: a bad cell may be megabytes long."""
+    text = repr(raw)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _parse_azure_time(path: Path, line: int, raw: str) -> datetime:
@@ -118,9 +134,24 @@ def _parse_azure_time(path: Path, line: int, raw: str) -> datetime:
         ) from None
 
 
+def _csv_rows(path: Path, reader: Iterator[list[str]], line: Callable[[], int]
+              ) -> Iterator[list[str]]:
+    """The reader's rows; a CSV-level error (a field over ``csv.field_size_limit()``, a NUL
+    byte, an unterminated quote) becomes a :class:`TraceError` naming the line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(f"{path}:{line()}: not valid CSV ({exc})") from None
+        yield row
+
+
 def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
     reader = csv.reader(handle)
-    header = next(reader, None)
+    rows = _csv_rows(path, reader, lambda: reader.line_num)
+    header = next(rows, None)
     if header is None:
         raise TraceError(f"{path}:1: empty file, expected an Azure CSV header")
     names = [cell.strip() for cell in header]
@@ -133,7 +164,7 @@ def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
     t_col, in_col, out_col = (names.index(c) for c in _AZURE_COLUMNS)
     first: datetime | None = None
     previous = -math.inf
-    for index, row in enumerate(reader):
+    for index, row in enumerate(rows):
         line = reader.line_num
         if not row or all(not cell.strip() for cell in row):
             continue
@@ -154,6 +185,30 @@ def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
         )
 
 
+def _json_line(path: Path, line: int, text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{path}:{line}: JSON nested too deeply") from None
+
+
+def _timestamp(path: Path, line: int, raw: object) -> float:
+    """Milliseconds as a finite float >= 0. json.loads accepts NaN, Infinity and 1e999 (inf),
+    which every comparison below would let through; a huge integer overflows float()."""
+    expected = f"{path}:{line}: timestamp must be a finite number of milliseconds >= 0"
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise TraceError(f"{expected}, got {_shown(raw)}")
+    try:
+        stamp = float(raw)
+    except OverflowError:
+        raise TraceError(f"{expected}, got an integer too large for a float") from None
+    if not math.isfinite(stamp) or stamp < 0:
+        raise TraceError(f"{expected}, got {_shown(raw)}")
+    return stamp
+
+
 def _load_mooncake(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
     previous = -math.inf
     first: float | None = None
@@ -161,29 +216,30 @@ def _load_mooncake(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
     for line, text in enumerate(handle, start=1):
         if not text.strip():
             continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg})") from None
+        row = _json_line(path, line, text)
         if not isinstance(row, dict):
             raise TraceError(f"{path}:{line}: expected a JSON object per line")
         missing = [k for k in ("timestamp", "input_length", "output_length") if k not in row]
         if missing:
             raise TraceError(f"{path}:{line}: missing field(s) {', '.join(missing)}")
-        stamp = row["timestamp"]
-        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or stamp < 0:
-            raise TraceError(f"{path}:{line}: timestamp must be milliseconds >= 0, got {stamp!r}")
+        stamp = _timestamp(path, line, row["timestamp"])
         if stamp < previous:
             raise TraceError(f"{path}:{line}: timestamp goes backwards (rows must be sorted)")
-        previous = float(stamp)
+        previous = stamp
         if first is None:
-            first = float(stamp)
-        input_length = _positive_int(path, line, "input_length", row["input_length"], 1)
+            first = stamp
+        # JSON numbers only, as for the timestamp: "600" is a string, not a length.
+        input_length = _positive_int(
+            path, line, "input_length", row["input_length"], 1, text_ok=False
+        )
+        output_length = _positive_int(
+            path, line, "output_length", row["output_length"], 1, text_ok=False
+        )
         yield TraceRequest(
             index=index,
-            arrival=(float(stamp) - first) / 1000.0,
+            arrival=(stamp - first) / 1000.0,
             input_length=input_length,
-            output_length=_positive_int(path, line, "output_length", row["output_length"], 1),
+            output_length=output_length,
             hash_ids=_hash_ids(path, line, row.get("hash_ids"), input_length),
         )
         index += 1
