@@ -288,6 +288,9 @@ def test_host_out_of_range_is_incompatible_and_refused(
         "refusing to launch incompatible extension 'org.test.p': host version 0.40.0 is outside"
         in err
     )
+    # §6.2 order: the refusal (step 2) comes before the empty-command error (step 3).
+    code, _, err = invoke(["run", "--"], capsys)
+    assert code == 2 and "refusing to launch incompatible extension 'org.test.p'" in err
 
 
 def test_bad_user_configuration_is_incompatible(

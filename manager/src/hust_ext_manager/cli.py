@@ -368,9 +368,15 @@ def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list
 def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[InstalledBundle]]:
     state = load_state()
     bundles = list(discover(state.enabled_ids()))
-    command = _command(raw_command)
+    # §6.2: the refusals (step 2) come before the command is parsed (step 3).
+    try:
+        command, bad_command = _command(raw_command), None
+    except ValueError as error:
+        command, bad_command = [], error
     for bundle in bundles:
         _refuse(bundle, state, command)
+    if bad_command is not None:
+        raise bad_command
     command = merge_additional_config(command, _merged_additional_config(bundles))
     plans = _plans(bundles, state)
     command = _render_options(command, plans)
