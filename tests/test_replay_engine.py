@@ -77,6 +77,21 @@ def test_arms_are_labelled_and_counted(pressured: dict[str, Any]) -> None:
     assert not arms["bidkv"]["reference"]
 
 
+def test_report_states_the_policy_versions(pressured: dict[str, Any]) -> None:
+    """evaluation.md §5.6: every claim states policy versions. The report carries this
+    package's version and, per selector arm, the BidKV settings it ran with (so a report
+    made under another default cannot pass for a current one); other policies have none."""
+    from bidkv_ext import __version__
+
+    assert pressured["host"]["bidkv_ext_version"] == __version__
+    arms = {a["label"]: a for a in pressured["arms"]}
+    bidkv = arms["bidkv"]["policy_config"]
+    assert bidkv["strategy"] == "bidkv" and bidkv["enabled"] is True
+    assert bidkv["liveness_preemptions"] == 8 and bidkv["prefix_caching"] is False
+    assert arms["least-computed-first"]["policy_config"]["strategy"] == "least-computed-first"
+    assert arms["clairvoyant (reference)"]["policy_config"] is None
+
+
 def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
     args = [*PRESSURE, "--policies", "random,bidkv", "--seed", "7"]
     for name in ("one", "two"):

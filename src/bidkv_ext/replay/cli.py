@@ -350,6 +350,7 @@ def _write_outputs(
 ) -> int:
     import vllm
 
+    from bidkv_ext._version import __version__ as bidkv_version
     from bidkv_ext.replay.report import (
         format_capacity_table,
         format_table,
@@ -378,7 +379,8 @@ def _write_outputs(
             "capacity_schedule": _capacity_settings(args, settings),
         },
         "host": {"vllm_version": vllm.__version__,
-                 "scheduler": "bidkv_ext.hosts.vllm.PolicyScheduler"},
+                 "scheduler": "bidkv_ext.hosts.vllm.PolicyScheduler",
+                 "bidkv_ext_version": bidkv_version},
         "step_model": step_model.as_dict(),
         "arms": results,
     }

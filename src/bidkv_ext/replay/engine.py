@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from bidkv_ext.config import BidKVConfig
 from bidkv_ext.replay.arms import Arm, arm_additional_config
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
@@ -159,6 +160,9 @@ class ArmRun:
     # the victims that came back (``returns``).
     return_steps: int = 0
     returns: int = 0
+    # The resolved BidKVConfig of a selector arm (None for other policies): what a claim
+    # about "bidkv" ran with, so reports from different defaults cannot be confused.
+    policy_config: Mapping[str, object] | None = None
 
 
 class _SimTime:
@@ -230,6 +234,9 @@ def run_arm(
     elastic = _elastic_pool(scheduler, requests, settings)
     policy = scheduler.controller.policy
     observer = policy if isinstance(policy, ReplayObserver) else None
+    # The settings the arm's policy actually ran with (read before a fault could drop it).
+    config = getattr(policy, "config", None)
+    policy_config = config.model_dump() if isinstance(config, BidKVConfig) else None
     with _simulated_clock(sched_module) as clock, _published(elastic, settings):
         started = time.perf_counter()
         state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock,
@@ -259,6 +266,7 @@ def run_arm(
         free_block_steps=state.free_block_steps,
         return_steps=state.return_steps,
         returns=state.returns,
+        policy_config=policy_config,
     )
 
 

@@ -100,6 +100,7 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
         "goodput_req_s": _ratio(good, makespan),
         "slo_attainment": _ratio(good, len(done)),
         "controller": dict(run.controller),
+        "policy_config": dict(run.policy_config) if run.policy_config is not None else None,
         "conservation": {
             "all_completed_once": all(o.completions == 1 for o in run.outcomes),
             "exact_output_lengths": all(
