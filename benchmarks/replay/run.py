@@ -64,8 +64,14 @@ CELLS = (
          ("--duration", "600", "--rate-scale", "0.25", "--num-gpu-blocks", "3000")),
 )
 
-COMPARISON = ("builtin,least-computed-first,bidkv,bidkv{use_host_facts=false},"
-              "bidkv-0.2.1,clairvoyant")
+# Every peer of evaluation.md §2 (random with three seeds), ours, the reference rule and
+# the clairvoyant oracle O1.
+COMPARISON = ("builtin,priority,least-computed-first,cost-aware,sglang,largest-first,"
+              "random{seed=0},random{seed=1},random{seed=2},shortest-remaining,"
+              "bidkv,bidkv{use_host_facts=false},bidkv-0.2.1,clairvoyant")
+# The no-pressure run of evaluation.md §2 (the same cell with KV to spare, built-in victim):
+# the floor for the recovered fraction.
+NO_PRESSURE_BLOCKS = 16384
 ABLATION = (
     "bidkv,"
     "bidkv{liveness_preemptions=0},"
@@ -120,16 +126,36 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def _row(cell: Cell, report: dict[str, Any], arm: dict[str, Any], speed: float) -> str:
-    ttft, e2e = arm["ttft_s"], arm["e2e_s"]
+def _row(cell: Cell, report: dict[str, Any], arm: dict[str, Any], speed: float | None) -> str:
+    ttft, e2e, tpot = arm["ttft_s"], arm["e2e_s"], arm["tpot_s"]
     c = arm["controller"]
     return (
         f"| {cell.name} | {arm['label']} | {_pct(arm['recompute_tax'])} | "
-        f"{ttft['p50']:.2f} | {ttft['p95']:.2f} | {ttft['p99']:.2f} | {e2e['p99']:.2f} | "
-        f"{arm['throughput_output_tok_s']:.0f} | {arm['preemptions_per_1k']:.0f} | "
+        f"{ttft['p50']:.2f} | {ttft['p95']:.2f} | {ttft['p99']:.2f} | "
+        f"{1000 * tpot['p99']:.0f} | {e2e['p99']:.2f} | "
+        f"{arm['throughput_output_tok_s']:.0f} | {arm['goodput_req_s']:.3f} | "
+        f"{arm['preemptions_per_1k']:.0f} | "
         f"{arm['max_preemptions_one_request']} | {c.get('calls', '-')}/{c.get('selections', '-')}"
-        f"/{c.get('abstentions', '-')} | {speed:.1f} |"
+        f"/{c.get('abstentions', '-')} | {'-' if speed is None else f'{speed:.1f}'} |"
     )
+
+
+def _captures(arms: dict[str, dict[str, Any]], floor: dict[str, Any] | None) -> str:
+    """evaluation.md §1's oracle-gap capture (builtin - bidkv) / (builtin - clairvoyant) and
+    recovered fraction (builtin - bidkv) / (builtin - no-pressure run), for recompute tax
+    and P99 TTFT; "n/a" where the denominator is not positive (nothing to capture)."""
+    metrics = {"tax": lambda a: float(a["recompute_tax"]),
+               "P99 TTFT": lambda a: float(a["ttft_s"]["p99"])}
+    base, ours = arms[BUILTIN], arms[BIDKV]
+    parts = []
+    for name, of in metrics.items():
+        for what, ref in (("oracle-gap capture", arms.get(ORACLE)), ("recovered", floor)):
+            if ref is None:
+                continue
+            gap = of(base) - of(ref)
+            value = "n/a" if gap <= 0 else f"{(of(base) - of(ours)) / gap:.2f}"
+            parts.append(f"{what} {name} {value}")
+    return "; ".join(parts)
 
 
 def _goals(cell: Cell, arms: dict[str, dict[str, Any]], prefix_caching: bool) -> str:
@@ -162,14 +188,31 @@ def _goals(cell: Cell, arms: dict[str, dict[str, Any]], prefix_caching: bool) ->
     return f"- `{cell.name}`: {marks}"
 
 
+def _no_pressure(traces: Path, cell: Cell, out: Path) -> dict[str, Any]:
+    """The cell's trace and knobs with KV to spare, built-in victim only: its one arm."""
+    knobs = list(cell.args)
+    if "--num-gpu-blocks" in knobs:
+        at = knobs.index("--num-gpu-blocks")
+        del knobs[at:at + 2]
+    argv = ["--trace", str(traces / cell.trace), *knobs, "--num-gpu-blocks",
+            str(NO_PRESSURE_BLOCKS), "--policies", BUILTIN, "--no-progress", "--no-plots",
+            "--output-dir", str(out)]
+    if replay_main(argv) != 0:
+        raise SystemExit(f"run.py: no-pressure replay failed for {cell.name}")
+    arm: dict[str, Any] = json.loads((out / "report.json").read_text())["arms"][0]
+    return arm
+
+
 def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> str:
     header = (
-        "| cell | policy | recompute tax | TTFT p50 s | TTFT p95 s | TTFT p99 s | E2E p99 s "
-        "| out tok/s | preempt/1k | max preempt | calls/sel/abst | sim s / wall s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| cell | policy | recompute tax | TTFT p50 s | TTFT p95 s | TTFT p99 s | TPOT p99 ms "
+        "| E2E p99 s | out tok/s | goodput req/s | preempt/1k | max preempt | calls/sel/abst "
+        "| sim s / wall s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows: list[str] = []
     goals: list[str] = []
+    captures: list[str] = []
     started = time.perf_counter()
     for cell in cells:
         out = out_root / f"{suite}-{cell.name}"
@@ -184,11 +227,19 @@ def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> st
         rows += [_row(cell, report, arm, speeds[arm["label"]]) for arm in report["arms"]]
         if suite == "comparison":
             goals.append(_goals(cell, by_label, report["settings"]["enable_prefix_caching"]))
+            floor = _no_pressure(traces, cell, out_root / f"{suite}-{cell.name}-no-pressure")
+            rows.append(_row(cell, report, {**floor, "label": "no-pressure run (builtin, "
+                             f"{NO_PRESSURE_BLOCKS} blocks)"}, None))
+            captures.append(f"- `{cell.name}`: {_captures(by_label, floor)}")
     knobs = "\n".join(f"- `{c.name}`: `{c.trace}` {' '.join(c.args)}" for c in cells)
     took = time.perf_counter() - started
     text = f"{header}\n" + "\n".join(rows) + f"\n\nCells (trace and knobs):\n{knobs}\n"
     if goals:
         text += "\nIssue 8 goals for the default `bidkv` arm:\n" + "\n".join(goals) + "\n"
+    if captures:
+        text += ("\nevaluation.md's oracle-gap capture and recovered fraction for `bidkv` "
+                 "(builtin is LIFO; 1 = all of builtin's excess removed):\n"
+                 + "\n".join(captures) + "\n")
     return text + f"\nTotal wall time: {took:.0f} s.\n"
 
 
