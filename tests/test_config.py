@@ -38,13 +38,17 @@ def test_manifest_activation_restates_the_defaults() -> None:
         environment["BIDKV_UTILITY_LIVENESS_PREEMPTIONS"])
 
 
-def test_score_parameters_default_to_the_config_defaults() -> None:
-    """UtilityParams mirrors the score's fields of BidKVConfig (a plain dataclass read on
-    the hot path); its own defaults must be the config's, or a strategy built without a
-    config would score differently from the shipped policy."""
-    from bidkv_ext.strategies.utility import UtilityParams
+def test_score_parameters_come_from_the_config() -> None:
+    """UtilityParams (the plain dataclass the hot path reads) takes every score field from
+    BidKVConfig, which owns the defaults: a strategy built without a config scores like
+    the shipped policy, and a configured value reaches the score."""
+    from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
 
-    assert UtilityParams() == UtilityParams.from_config(BidKVConfig())
+    params = UtilityParams.from_config(BidKVConfig())
+    assert UtilityStrategy().params == params == UtilityParams.from_config()
+    assert params.base_cost == BidKVConfig().base_cost
+    tuned = UtilityParams.from_config(BidKVConfig(preempt_weight=2.0, block_size=32))
+    assert (tuned.preempt_weight, tuned.block_size) == (2.0, 32)
 
 
 def test_environment_then_additional_config_precedence() -> None:

@@ -124,10 +124,10 @@ def test_bounded_argmax_picks_what_scoring_everyone_picks(
     picks exactly the candidate that scoring everyone in Python picks, ties included:
     the highest U among the candidates that free the shortfall alone (or among all when
     none does); ties to the built-in victim, then to the newest."""
-    strategy = UtilityStrategy(UtilityParams(
+    strategy = UtilityStrategy(UtilityParams.from_config(BidKVConfig(
         prefix_caching=prefix, cache_survival=survival, preempt_weight=weight,
         completion_weight=completion, base_cost=base, cascade_gain_ratio=1.0,
-    ))
+    )))
     # Unique ids so that "which candidate" is well defined.
     cands = [PreemptionCandidate(str(i), *(getattr(c, f) for f in c.__slots__[1:]))
              for i, c in enumerate(cands)]

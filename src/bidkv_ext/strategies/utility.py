@@ -60,6 +60,7 @@ from operator import attrgetter, le
 import numpy as np
 import numpy.typing as npt
 
+from bidkv_ext.config import BidKVConfig
 from bidkv_ext.contract import (
     CandidateFacts,
     PreemptionCandidate,
@@ -90,30 +91,35 @@ _SLACK = 0.5
 
 @dataclass(frozen=True, slots=True)
 class UtilityParams:
-    """The numbers the score uses; built once from :class:`~bidkv_ext.config.BidKVConfig`."""
+    """The numbers the score uses, as plain attributes for the hot path.
 
-    block_size: int = 16
-    prefix_caching: bool = True
-    base_cost: float = 64.0
-    recompute_weight: float = 1.0
-    completion_weight: float = 1.0
-    completion_horizon: float = 32.0
-    preempt_weight: float = 0.0
-    first_token_weight: float = 0.0
-    cache_survival: float = 0.0
-    epsilon: float = 1e-3
-    default_max_tokens: int = 1024
-    cascade_gain_ratio: float = 1.25
-    prefill_chunk_tokens: int = 2048
-    use_host_facts: bool = True
-    shrink_page_weight: float = 1.0
+    Built once from a validated :class:`~bidkv_ext.config.BidKVConfig`
+    (:meth:`from_config`), which owns the defaults and the bounds: there is one set of them.
+    """
+
+    block_size: int
+    prefix_caching: bool
+    base_cost: float
+    recompute_weight: float
+    completion_weight: float
+    completion_horizon: float
+    preempt_weight: float
+    first_token_weight: float
+    cache_survival: float
+    epsilon: float
+    default_max_tokens: int
+    cascade_gain_ratio: float
+    use_host_facts: bool
+    shrink_page_weight: float
+    prefill_chunk_tokens: int = 2048  # an engine fact, not a setting
 
     @classmethod
-    def from_config(cls, config: object | None) -> UtilityParams:
-        if config is None:
-            return cls()
-        names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
-        return cls(**{name: getattr(config, name) for name in names})
+    def from_config(cls, config: object | None = None) -> UtilityParams:
+        """The score's fields of ``config`` (a BidKVConfig, or any object carrying some of
+        its fields); what it lacks comes from BidKVConfig's defaults."""
+        defaults = BidKVConfig()
+        names = [f for f in cls.__dataclass_fields__ if f in BidKVConfig.model_fields]
+        return cls(**{n: getattr(config, n, getattr(defaults, n)) for n in names})
 
 
 class UtilityStrategy:
@@ -124,7 +130,7 @@ class UtilityStrategy:
     name = "bidkv"
 
     def __init__(self, params: UtilityParams | None = None) -> None:
-        self.params = params or UtilityParams()
+        self.params = params or UtilityParams.from_config()
         self._shrinking = False
         self.last_index = -1
         p = self.params
