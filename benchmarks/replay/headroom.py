@@ -508,14 +508,19 @@ SUITES = {
 }
 
 
-def _replay(job: tuple[Path, str, Cell, int, Path, bool, str]) -> Arms:
-    traces, suite, cell, start, out_root, reuse, tag = job
+def _argv(traces: Path, suite: str, cell: Cell, start: int) -> list[str]:
     _, common, peers, probes, _ = SUITES[suite]
     argv = ["--trace", str(traces / cell.trace), *common, *cell.args, "--start", str(start),
             "--policies", peers]
     for probe in probes:
         argv += ["--policy-class", f"headroom:{probe.__name__}"]
-    return replay_arms(argv, slice_out(out_root, tag, cell.name, start),
+    return argv
+
+
+def _replay(job: tuple[Path, str, Cell, int, Path, bool, str]) -> Arms:
+    traces, suite, cell, start, out_root, reuse, tag = job
+    return replay_arms(_argv(traces, suite, cell, start),
+                       slice_out(out_root, tag, cell.name, start),
                        f"{cell.name} at start {start}", reuse)
 
 
@@ -647,7 +652,8 @@ def main() -> int:
                                  else SLICE_STARTS)
     cells, common, _, _, marker = SUITES[args.suite]
     started = time.perf_counter()
-    saved = saved_reports(args.out, tag, (c.name for c in cells), starts, args.reuse)
+    saved = saved_reports(args.out, tag, [(c.name, start, _argv(args.traces, args.suite, c, start))
+                                          for c in cells for start in starts], args.reuse)
     results = over_slices(_replay, {
         cell.name: [(args.traces, args.suite, cell, start, args.out, args.reuse, tag)
                     for start in starts]
