@@ -1,10 +1,10 @@
 """Per-arm figures of a serve run beyond the gated ones (qualification.md §4).
 
-The verdict rests on throughput and P95 latency; these are recorded beside them in each
-arm's ``extra`` so a record carries the spec's whole metric list: TTFT, TPOT and E2E
-latency at P50/P95/P99, goodput and SLO goodput, and Jain fairness of per-request output
-rates. All of them are computed from the client's own per-request timings (streaming, so
-TTFT is real); requests the workload cancels on purpose are left out.
+Computed once per arm: TTFT, TPOT and E2E latency at P50/P95/P99, goodput and SLO goodput,
+and Jain fairness of per-request output rates. The serve arm keeps the TTFT and E2E
+P50/P95 as its gated fields and records the rest in ``extra``, so a record carries the
+spec's whole metric list. All of them come from the client's own per-request timings
+(streaming, so TTFT is real); requests the workload cancels on purpose are left out.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ from qualification.evidence import (
 from qualification.figures import serve_figures
 from qualification.manager import Arm, ManagerSession
 from qualification.profile import CellSpec, Profile, ServerSpec
-from qualification.stats import percentile
 from qualification.verdict import ArmResult
 
 __all__ = ["ServeArm", "build_requests", "serve_command", "serve_environment"]
@@ -247,13 +246,16 @@ class ServeArm:
         ranks = None
         if self.profile.tensor_parallel_size > 1 and server.tp_rank_pattern:
             ranks = tuple(sorted({int(m) for m in re.findall(server.tp_rank_pattern, log_text)}))
+        # Every latency figure once, from the completed requests; the gated four become
+        # fields, the rest go to ``extra``.
+        figures = serve_figures(load.results, load.makespan)
         return ArmResult(
             arm=arm,
             throughput=tokens / load.makespan if load.makespan > 0 else 0.0,
-            ttft_p50=percentile([r.ttft for r in done if r.ttft is not None], 50),
-            ttft_p95=percentile([r.ttft for r in done if r.ttft is not None], 95),
-            latency_p50=percentile([r.latency for r in done if r.latency is not None], 50),
-            latency_p95=percentile([r.latency for r in done if r.latency is not None], 95),
+            ttft_p50=figures.pop("ttft_p50"),
+            ttft_p95=figures.pop("ttft_p95"),
+            latency_p50=figures.pop("e2e_p50"),
+            latency_p95=figures.pop("e2e_p95"),
             requests=len(counted),
             completed=len(done),
             failed=sum(1 for r in counted if not r.ok and not r.timed_out),
@@ -276,7 +278,7 @@ class ServeArm:
             extra={
                 "makespan_s": load.makespan,
                 "cancelled": sum(r.cancelled for r in load.results),
-                **serve_figures(load.results, load.makespan),
+                **figures,
                 # Recompute shows as prompt tokens computed locally beyond the prompts sent
                 # (the client does not tokenize, so the raw delta is recorded).
                 "prompt_tokens_local_compute": metric_delta(
