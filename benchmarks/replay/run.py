@@ -269,8 +269,7 @@ def stale_reason(report_path: Path, argv: list[str]) -> str | None:
     recorded the settings it ran with (``policy_config``) and they must be the ones this
     code resolves for that arm today: a report made under an earlier default (the liveness
     threshold was 4 until 2026-11-30) is replayed, never mixed in."""
-    from bidkv_ext.config import BidKVConfig
-    from bidkv_ext.replay.arms import arm_additional_config, parse_arms
+    from bidkv_ext.replay.arms import arm_config, parse_arms
 
     if not report_path.is_file():
         return "no report"
@@ -282,13 +281,13 @@ def stale_reason(report_path: Path, argv: list[str]) -> str | None:
     wanted = {a.label for a in arms} | classes
     if set(saved) != wanted:
         return f"arms {sorted(saved)} != {sorted(wanted)}"
-    facts = {"block_size": int(_flag(argv, "--block-size", "16")),
-             "prefix_caching": "--no-prefix-caching" not in argv}
+    block_size = int(_flag(argv, "--block-size", "16"))
+    prefix_caching = "--no-prefix-caching" not in argv
     for arm in arms:
         if arm.bidkv_overrides is None:
             continue
-        expected = BidKVConfig.from_sources(arm_additional_config(arm, {}), os.environ,
-                                            **facts).model_dump()
+        expected = arm_config(arm, {}, environ=os.environ, block_size=block_size,
+                              prefix_caching=prefix_caching).model_dump()
         if saved[arm.label].get("policy_config") != expected:
             return f"{arm.label} was made with other (or unrecorded) settings"
     return None

@@ -38,9 +38,12 @@ import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext, PreemptionPolicy
+
+if TYPE_CHECKING:
+    from bidkv_ext.config import BidKVConfig
 
 __all__ = [
     "CLAIRVOYANT",
@@ -49,6 +52,7 @@ __all__ = [
     "ClairvoyantShortestRemaining",
     "ReferenceBidkv021",
     "arm_additional_config",
+    "arm_config",
     "check_arms",
     "named_arm",
     "parse_arms",
@@ -301,6 +305,23 @@ def arm_additional_config(arm: Arm, additional_config: Mapping[str, object]) -> 
     return additional
 
 
+def arm_config(
+    arm: Arm,
+    additional_config: Mapping[str, object],
+    *,
+    environ: Mapping[str, str],
+    block_size: int,
+    prefix_caching: bool,
+) -> BidKVConfig:
+    """The BidKVConfig the selector builds for ``arm`` in the engine: the environment, the
+    arm's ``additional_config`` (:func:`arm_additional_config`), then the engine's facts
+    (block size, prefix caching), which win as in ``from_vllm_config``."""
+    from bidkv_ext.config import BidKVConfig
+
+    return BidKVConfig.from_sources(arm_additional_config(arm, additional_config), environ,
+                                    block_size=block_size, prefix_caching=prefix_caching)
+
+
 def check_arms(
     arms: Sequence[Arm],
     additional_config: Mapping[str, object],
@@ -331,8 +352,8 @@ def check_arms(
         elif not _builds_selector(arm, BidkvPreemptionPolicy):
             continue
         try:
-            BidKVConfig.from_sources(arm_additional_config(arm, additional_config), environ,
-                                     **facts)
+            arm_config(arm, additional_config, environ=environ, block_size=block_size,
+                       prefix_caching=prefix_caching)
         except ConfigError as exc:
             raise ArmError(str(exc)) from None
 
