@@ -140,21 +140,25 @@ def _row(cell: Cell, report: dict[str, Any], arm: dict[str, Any], speed: float |
     )
 
 
+def capture(arms: dict[str, dict[str, Any]], ref: dict[str, Any], metric: str) -> float | None:
+    """evaluation.md §1's (LIFO - bidkv) / (LIFO - ``ref``) on ``metric`` (builtin is LIFO):
+    the oracle-gap capture with the clairvoyant reference, the recovered fraction with the
+    no-pressure run; None where ``ref`` is no better than builtin (nothing to capture)."""
+    base = metric_of(arms[BUILTIN], metric)
+    gap = base - metric_of(ref, metric)
+    return (base - metric_of(arms[BIDKV], metric)) / gap if gap > 0 else None
+
+
 def _captures(arms: dict[str, dict[str, Any]], floor: dict[str, Any] | None) -> str:
-    """evaluation.md §1's oracle-gap capture (builtin - bidkv) / (builtin - clairvoyant) and
-    recovered fraction (builtin - bidkv) / (builtin - no-pressure run), for recompute tax
-    and P99 TTFT; "n/a" where the denominator is not positive (nothing to capture)."""
-    metrics = {"tax": lambda a: float(a["recompute_tax"]),
-               "P99 TTFT": lambda a: float(a["ttft_s"]["p99"])}
-    base, ours = arms[BUILTIN], arms[BIDKV]
+    """Oracle-gap capture and recovered fraction (:func:`capture`) for recompute tax and
+    P99 TTFT; "n/a" where there is nothing to capture."""
     parts = []
-    for name, of in metrics.items():
+    for name, metric in (("tax", "tax"), ("P99 TTFT", "p99")):
         for what, ref in (("oracle-gap capture", arms.get(ORACLE)), ("recovered", floor)):
             if ref is None:
                 continue
-            gap = of(base) - of(ref)
-            value = "n/a" if gap <= 0 else f"{(of(base) - of(ours)) / gap:.2f}"
-            parts.append(f"{what} {name} {value}")
+            value = capture(arms, ref, metric)
+            parts.append(f"{what} {name} {'n/a' if value is None else f'{value:.2f}'}")
     return "; ".join(parts)
 
 
@@ -351,11 +355,11 @@ def ratio_of(value: float, peer: float) -> float:
 
 
 def metric_of(arm: dict[str, Any], metric: str) -> float:
-    """One arm's ``tax`` (recompute tax), ``p95`` (P95 TTFT) or any other report key."""
+    """One arm's ``tax`` (recompute tax), ``p95``/``p99`` (TTFT) or any other report key."""
     if metric == "tax":
         return float(arm["recompute_tax"])
-    if metric == "p95":
-        return float(arm["ttft_s"]["p95"])
+    if metric in ("p95", "p99"):
+        return float(arm["ttft_s"][metric])
     return float(arm[metric])
 
 
@@ -433,11 +437,7 @@ def _slice_capture(runs: list[dict[str, dict[str, Any]]]) -> str:
     over the slices where the clairvoyant reference recomputes less than builtin (elsewhere
     there is no gap to capture). Reported, not a goal: issue 8 measures its gap from the
     better of builtin and LCF."""
-    captures = []
-    for r in runs:
-        base, ours, ref = (metric_of(r[a], "tax") for a in (BUILTIN, BIDKV, ORACLE))
-        if base > ref:
-            captures.append((base - ours) / (base - ref))
+    captures = [c for r in runs if (c := capture(r, r[ORACLE], "tax")) is not None]
     if not captures:
         return "oracle-gap capture vs builtin (evaluation.md): n/a (no slice with a gap)"
     return (f"oracle-gap capture vs builtin (evaluation.md) {statistics.median(captures):.2f} "
