@@ -518,16 +518,23 @@ def _open_mailbox(box: Path) -> None:
                          "directory (set KVCACHED_PROVIDER_STATE_DIR to move it)") from exc
 
 
+def _withdraw(request: Path) -> bool:
+    """Remove an unclaimed request so it never applies; False when the engine had already
+    claimed it (claiming renames it away)."""
+    try:
+        request.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _wait_or_withdraw(request: Path, answer: Path, deadline: float) -> dict[str, Any] | None:
     """``_wait_for``, but a bad answer first withdraws the request, so it never applies."""
     try:
         return _wait_for(answer, deadline)
     except LimitError as exc:
-        try:
-            request.unlink()
-            outcome = "the request was withdrawn and nothing was applied"
-        except FileNotFoundError:
-            outcome = "the engine had claimed the request, so the limit may be in force"
+        outcome = ("the request was withdrawn and nothing was applied" if _withdraw(request)
+                   else "the engine had claimed the request, so the limit may be in force")
         raise LimitError(f"{exc}; {outcome}") from exc
 
 
@@ -548,26 +555,23 @@ def _via_engine(
         raise LimitError(f"cannot write limit request {request}: {exc.strerror}") from exc
     data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
     if data is None:
-        try:
-            request.unlink()  # withdraw: an unclaimed request must not apply later
-        except FileNotFoundError:
-            # Claimed meanwhile: the engine is applying it; give it one more timeout.
-            data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
-            if data is None:
-                return LimitResult.refused(
-                    ipc, limit_bytes, revision, status="unavailable",
-                    reason="engine_claimed_request_without_answer", via="engine",
-                    detail=f"the engine claimed revision {revision} but did not answer within "
-                           f"{2 * timeout_s:g} s; the limit may be in force -- retrying uses "
-                           "a higher revision and is safe",
-                )
-        else:
+        if _withdraw(request):  # an unclaimed request must not apply later
             return LimitResult.refused(
                 ipc, limit_bytes, revision, status="unavailable", reason="no_engine_responder",
                 via="engine",
                 detail=f"no engine process of instance {ipc!r} answered within {timeout_s:g} s "
                        "(is the engine running with org.vllm-hust.kvcached enabled, so that "
                        "its vLLM plugin serves limit requests?); nothing was applied",
+            )
+        # Claimed meanwhile: the engine is applying it; give it one more timeout.
+        data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
+        if data is None:
+            return LimitResult.refused(
+                ipc, limit_bytes, revision, status="unavailable",
+                reason="engine_claimed_request_without_answer", via="engine",
+                detail=f"the engine claimed revision {revision} but did not answer within "
+                       f"{2 * timeout_s:g} s; the limit may be in force -- retrying uses "
+                       "a higher revision and is safe",
             )
     with contextlib.suppress(FileNotFoundError):
         answer.unlink()
