@@ -170,8 +170,7 @@ class PolicyController:
         self, context: PreemptionContext, facts: PreemptionContextFacts | None = None
     ) -> str:
         """Return the id to preempt; never raises except for the thread guard and no candidates."""
-        if threading.get_ident() != self._owner:
-            raise RuntimeError(_WRONG_THREAD)
+        self.check_thread()
         policy = self._policy
         if policy is None:
             return builtin_victim_id(context)
