@@ -287,3 +287,66 @@ def test_cli_check_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert out.count("FAIL ") == 5
     assert out.rstrip().endswith("org.vllm-hust.kvcached: 5 check(s) failed")
+
+
+# ------------------------------------------- check 7: other bundles and KV-cache events
+
+BIDKV_MANIFEST = json.loads(
+    (ROOT / "manifests/bidkv/vllm-hust-extension-v0.2.json").read_text(encoding="utf-8"))
+
+
+def _allocator_bundle(contract: str) -> dict[str, object]:
+    return {**BIDKV_MANIFEST, "components": [{
+        "component_id": "pool", "contracts": [contract], "execution_planes": ["scheduler"],
+        "isolation": "trusted_in_process", "implementation_ref": "x.pool:Pool"}]}
+
+
+def test_bidkv_beside_kvcached_is_fine() -> None:
+    lines = checks.check_peer_bundles({"org.vllm-hust.bidkv": BIDKV_MANIFEST})
+    assert lines == [(True, "no other enabled bundle declares a KV-cache allocator, block "
+                            "pool, coordinator or KV-cache events")]
+
+
+@pytest.mark.parametrize("contract", [
+    "vllm.kv-cache-allocator.v1", "vllm.block-pool.v1", "vllm.kv_cache_coordinator.v1",
+    "vllm.kv-events.v1", "vllm.KV-Cache-Events.v2"])
+def test_a_bundle_declaring_the_block_pool_or_kv_events_fails(contract: str) -> None:
+    lines = checks.check_peer_bundles({"org.other.pool": _allocator_bundle(contract)})
+    assert lines == [(False, (
+        f"enabled bundle 'org.other.pool' declares {contract}: kvcached replaces vLLM's "
+        "BlockPool and KVCacheCoordinator and publishes no KV-cache events, so both cannot "
+        "run in one engine; disable one of them with `vllm-hust-ext extension disable <id>`"))]
+
+
+def test_a_protocol_name_counts_too() -> None:
+    protocol = {"name": "vllm.kv-cache-events", "version_range": None}
+    peer = {**BIDKV_MANIFEST, "protocols": [protocol]}
+    [(ok, line)] = checks.check_peer_bundles({"org.other.events": peer})
+    assert not ok and "declares vllm.kv-cache-events:" in line
+
+
+@pytest.mark.parametrize(("command", "refused"), [
+    (["vllm", "serve", "m"], False),
+    (["vllm", "serve", "m", "--kv-events-config", '{"enable_kv_cache_events": true}'], True),
+    (["vllm", "serve", "m", '--kv-events-config={"enable_kv_cache_events":true}'], True),
+    (["vllm", "serve", "m", "--kv-events-config", '{"enable_kv_cache_events": false}'], False),
+    (["vllm", "serve", "m", "--kv-events-config.enable_kv_cache_events", "true"], True),
+    (["vllm", "serve", "m", "--kv-events-config.enable_kv_cache_events=false"], False),
+    (["vllm", "serve", "m", "--kv-events-config", "{not json"], False),  # vLLM rejects it
+])
+def test_kv_events_on_the_command_line(command: list[str], refused: bool) -> None:
+    lines = checks.check_kv_events(command)
+    assert bool(lines) is refused
+    if refused:
+        assert lines[0][0] is False and "publishes none" in lines[0][1]
+    assert checks.check_kv_events(None) == []  # status: no command to judge
+
+
+def test_check_reads_the_managers_context() -> None:
+    context = {"enabled_bundles": {"org.other.pool": _allocator_bundle("vllm.block-pool.v1")},
+               "command": ["vllm", "serve", "m", "--kv-events-config.enable_kv_cache_events"]}
+    failed = [line for ok, line in checks.check(MANIFEST, {}, context) if not ok]
+    assert any(line.startswith("enabled bundle 'org.other.pool' declares") for line in failed)
+    assert any(line.startswith("the command enables KV-cache events") for line in failed)
+    without = [line for ok, line in checks.check(MANIFEST, {}) if not ok]
+    assert len(failed) == len(without) + 2

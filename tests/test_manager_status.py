@@ -34,9 +34,12 @@ DECLARED = {"protocol_versions": {"vllm.preemption-policy": "1.0"}, "host_versio
 
 
 def install(
-    site: Path, manifests: dict[str, dict[str, Any]], checks: dict[str, str] | None = None
+    site: Path,
+    manifests: dict[str, dict[str, Any]],
+    checks: dict[str, str] | None = None,
+    shutdown: dict[str, str] | None = None,
 ) -> None:
-    """A fake installed distribution registering ``manifests`` (and optional checks)."""
+    """A fake installed distribution registering ``manifests`` (optional checks, hooks)."""
     info = site / "fake_status-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-status\nVersion: 1.0\n")
@@ -49,6 +52,8 @@ def install(
         record.append(f"{relative},,\n")
     lines.append("[vllm_hust_ext.bundle_checks]")
     lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
+    lines.append("[vllm_hust_ext.bundle_shutdown]")
+    lines += [f"{k} = {v}" for k, v in (shutdown or {}).items()]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     (info / "RECORD").write_text("".join(record))
 
@@ -255,6 +260,62 @@ def test_a_raising_bundle_check_is_a_failed_line(
     assert "bundle check failed: boom" in shown["evidence"] and "degraded" in shown["states"]
     code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
     assert code == 2 and "refusing to launch 'org.test.p': bundle check failed: boom" in err
+
+
+def test_a_check_taking_context_sees_the_other_enabled_bundles_and_the_command(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = tmp_path / "context.jsonl"
+    (site / "fakecheck_context.py").write_text(
+        "import json\n"
+        "def check(manifest, configuration, context):\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(json.dumps({'peers': sorted(context['enabled_bundles']),\n"
+        "                            'command': context['command']}) + '\\n')\n"
+        "    return [(True, 'looked')]\n"
+    )
+    plain = _with(BASE, components=[])
+    install(site, {"org.test.p": BASE, "org.test.q": plain, "org.test.r": plain},
+            checks={"org.test.p": "fakecheck_context:check"})
+    set_state(tmp_path, {
+        "org.test.p": {"enabled": True, "configuration": DECLARED},
+        "org.test.q": {"enabled": True, "configuration": DECLARED},
+        "org.test.r": {"enabled": False, "configuration": DECLARED},
+    })
+    assert "looked" in status("org.test.p", capsys)["evidence"]
+    assert invoke(["run", "--dry-run", "--", "true", "--flag"], capsys)[0] == 0
+    calls = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert calls == [{"peers": ["org.test.q"], "command": None},
+                     {"peers": ["org.test.q"], "command": ["true", "--flag"]}]
+
+
+def test_shutdown_hooks_report_after_the_launch_and_never_change_its_status(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_HUST_EXT_EVIDENCE_PATH")  # a real launch owns it
+    trace = tmp_path / "child-ran"
+    (site / "fakehook_report.py").write_text(
+        "import os\n"
+        "def on_shutdown(manifest, configuration):\n"
+        f"    ran = os.path.exists({str(trace)!r})\n"
+        "    return [f'child ran: {ran}', manifest['extension_id']]\n"
+    )
+    (site / "fakehook_raises.py").write_text(
+        "def on_shutdown(manifest, configuration):\n    raise OSError('disk gone')\n")
+    install(site, {"org.test.p": BASE, "org.test.q": _with(BASE, components=[])},
+            shutdown={"org.test.p": "fakehook_report:on_shutdown",
+                      "org.test.q": "fakehook_raises:on_shutdown"})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED},
+                         "org.test.q": {"enabled": True, "configuration": DECLARED}})
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 0 and "vllm-hust-ext: org.test" not in err  # a dry run launches nothing
+    code, _, err = invoke(["run", "--", "sh", "-c", f"touch {trace}; exit 3"], capsys)
+    assert code == 3
+    assert err.splitlines()[-3:] == [
+        "vllm-hust-ext: org.test.p: child ran: True",
+        "vllm-hust-ext: org.test.p: org.test.p",
+        "vllm-hust-ext: org.test.q: bundle shutdown hook failed: disk gone",
+    ]
 
 
 # --- host, qualification, services ----------------------------------------------------

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -43,10 +43,13 @@ __all__ = [
     "check_autopatch_pth",
     "check_compiled_module",
     "check_ipc_name",
+    "check_kv_events",
     "check_kvcached_version",
+    "check_peer_bundles",
     "check_shm_writable",
     "check_torch_backend",
     "check_vllm_range",
+    "planned_environment",
     "shm_dir",
 ]
 
@@ -61,6 +64,13 @@ DEFAULT_IPC_NAME = "vllm_hust_kvcached"
 # kvcached sanitises explicit names to this alphabet and length; we require it verbatim so
 # that ``kvctl`` and ``kvcached-provider`` can address the instance by the configured name.
 IPC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Contract or protocol names by which a 0.2 manifest says it owns KV-cache allocation or
+# consumes KV-cache events (e.g. a custom ``vllm.kv-cache-allocator.v1``).
+_KV_OWNERSHIP = re.compile(
+    r"kv[-_.]?cache[-_.]?(allocator|coordinator|events?)|block[-_.]?pool|kv[-_.]?events?",
+    re.IGNORECASE,
+)
+_KV_EVENTS_OPTION = "--kv-events-config"
 TORCH_PROBE_TIMEOUT_S = 60.0
 
 _INSTALL_HINT = (
@@ -329,9 +339,10 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
     return lines
 
 
-def _planned_environment(
+def planned_environment(
     manifest: Mapping[str, object], configuration: Mapping[str, object]
 ) -> dict[str, str]:
+    """The bundle's activation environment with the operator's overrides applied."""
     env: dict[str, str] = {}
     activation = manifest.get("activation")
     if isinstance(activation, Mapping):
@@ -344,6 +355,73 @@ def _planned_environment(
     return env
 
 
+
+def _declared_names(manifest: Mapping[str, object]) -> list[str]:
+    """Every contract and protocol name a manifest declares."""
+    names: list[str] = []
+    for key, field in (("components", "contracts"), ("protocols", "name")):
+        items = manifest.get(key)
+        for item in items if isinstance(items, list) else []:
+            value = item.get(field) if isinstance(item, Mapping) else None
+            names.extend(v for v in (value if isinstance(value, list) else [value])
+                         if isinstance(v, str))
+    return names
+
+
+def check_peer_bundles(enabled: Mapping[str, Mapping[str, object]]) -> list[CheckLine]:
+    """No other enabled bundle replaces the block pool or needs KV-cache events (check 7).
+
+    Manifest 0.2 cannot declare an allocator claim (0.3's ``resource_claims`` can), so this
+    sees what 0.2 can say: the contracts and protocols a bundle declares.
+    """
+    lines: list[CheckLine] = []
+    for bundle_id, manifest in sorted(enabled.items()):
+        hits = sorted({n for n in _declared_names(manifest) if _KV_OWNERSHIP.search(n)})
+        if hits:
+            lines.append((False, (
+                f"enabled bundle {bundle_id!r} declares {', '.join(hits)}: kvcached replaces "
+                "vLLM's BlockPool and KVCacheCoordinator and publishes no KV-cache events, so "
+                "both cannot run in one engine; disable one of them with `vllm-hust-ext "
+                "extension disable <id>`"
+            )))
+    return lines or [(True, (
+        "no other enabled bundle declares a KV-cache allocator, block pool, coordinator or "
+        "KV-cache events"
+    ))]
+
+
+def _kv_events_requested(command: Sequence[str]) -> bool:
+    """Whether ``command`` turns on vLLM's KV-cache events (``--kv-events-config``)."""
+    for index, arg in enumerate(command):
+        option, has_value, inline = arg.partition("=")
+        if option == _KV_EVENTS_OPTION + ".enable_kv_cache_events":
+            value = inline if has_value else (command[index + 1] if index + 1 < len(command)
+                                              else "true")
+            if value.strip().lower() in {"true", "1"}:
+                return True
+        elif option == _KV_EVENTS_OPTION:
+            value = inline if has_value else (command[index + 1] if index + 1 < len(command)
+                                              else "")
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                continue  # vLLM itself rejects a malformed value
+            if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") is True:
+                return True
+    return False
+
+
+def check_kv_events(command: Sequence[str] | None) -> list[CheckLine]:
+    """The launch does not rely on KV-cache events, which kvcached never emits (check 7)."""
+    if command is None or not _kv_events_requested(command):
+        return []
+    return [(False, (
+        f"the command enables KV-cache events ({_KV_EVENTS_OPTION} with "
+        "enable_kv_cache_events), but kvcached's block pool publishes none, so subscribers "
+        "would silently receive nothing: drop the option or disable "
+        f"{EXTENSION_ID}"
+    ))]
+
 def _supported_range(manifest: Mapping[str, object]) -> str:
     host = manifest.get("host")
     if isinstance(host, Mapping):
@@ -353,11 +431,30 @@ def _supported_range(manifest: Mapping[str, object]) -> str:
     return KVCACHED_TESTED_VLLM_RANGE
 
 
+def _context(
+    context: Mapping[str, object] | None,
+) -> tuple[dict[str, Mapping[str, object]], list[str] | None]:
+    if context is None:
+        return {}, None
+    enabled = context.get("enabled_bundles")
+    peers = {str(k): v for k, v in enabled.items() if isinstance(v, Mapping)} if isinstance(
+        enabled, Mapping) else {}
+    command = context.get("command")
+    return peers, [str(a) for a in command] if isinstance(command, list) else None
+
+
 def check(
-    manifest: Mapping[str, object], configuration: Mapping[str, object]
+    manifest: Mapping[str, object],
+    configuration: Mapping[str, object],
+    context: Mapping[str, object] | None = None,
 ) -> list[tuple[bool, str]]:
-    """Run every check; one ``(ok, evidence line)`` per finding, in a fixed order."""
-    env = _planned_environment(manifest, configuration)
+    """Run every check; one ``(ok, evidence line)`` per finding, in a fixed order.
+
+    ``context`` is what the extension manager knows beyond this bundle: ``enabled_bundles``
+    (the other enabled bundles' manifests, by id) and, for ``run``, ``command``.
+    """
+    env = planned_environment(manifest, configuration)
+    peers, command = _context(context)
     probes: list[tuple[str, Callable[[], CheckLine | list[CheckLine]]]] = [
         ("kvcached version", check_kvcached_version),
         ("kvcached compiled module", check_compiled_module),
@@ -366,6 +463,8 @@ def check(
         ("vLLM range", lambda: check_vllm_range(_supported_range(manifest))),
         ("/dev/shm", check_shm_writable),
         ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"))),
+        ("other enabled bundles", lambda: check_peer_bundles(peers)),
+        ("KV-cache events", lambda: check_kv_events(command)),
     ]
     lines: list[CheckLine] = []
     for label, probe in probes:

@@ -8,6 +8,11 @@ or ``rejected``) and exits 0 only for ``applied``/``deferred``, 1 for the other 
 2 for bad input.
 
 ``kvcached-provider check`` prints the bundle's pre-launch checks (exit 1 if any fails).
+
+``kvcached-provider cleanup --ipc NAME`` removes the instance's leaked control records and
+tensor-parallel socket directory, keeping anything a live process still uses (see
+:mod:`kvcached_provider.segments`); exit 0 when nothing of the instance is left, 1 when
+something was kept, 2 for bad input. ``--dry-run`` only reports.
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     limit.add_argument("--json", action="store_true", help="print the full result as JSON")
     check = sub.add_parser("check", help="run the bundle's pre-launch checks")
     check.add_argument("--ipc", metavar="NAME", help="KVCACHED_IPC_NAME to check")
+    cleanup = sub.add_parser(
+        "cleanup", help="remove an instance's leaked control records and TP socket directory")
+    cleanup.add_argument("--ipc", required=True, metavar="NAME",
+                         help="the instance's KVCACHED_IPC_NAME")
+    cleanup.add_argument("--dry-run", action="store_true",
+                         help="report what would be removed, remove nothing")
     return parser
 
 
@@ -98,11 +109,24 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cleanup(args: argparse.Namespace) -> int:
+    from kvcached_provider.segments import cleanup
+
+    validate_ipc_name(args.ipc)
+    report = cleanup(args.ipc, dry_run=args.dry_run)
+    for line in report.lines():
+        print(line)
+    return 0 if report.clean else 1
+
+
+_COMMANDS = {"limit": _limit, "check": _check, "cleanup": _cleanup}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return _limit(args) if args.command == "limit" else _check(args)
+        return _COMMANDS[args.command](args)
     except LimitError as exc:
         print(f"kvcached-provider: error: {exc}", file=sys.stderr)
         return 2

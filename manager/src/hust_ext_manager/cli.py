@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -105,8 +105,27 @@ def _require_vllm_provider(bundle: InstalledBundle) -> None:
         raise ValueError(f"no Host Provider named {name!r} is installed for {bundle.bundle_id!r}")
 
 
-def assess(bundle: InstalledBundle, state: State) -> dict[str, Any]:
-    """Status states and evidence, plus what ``run`` needs to decide on refusals."""
+def _enabled_peers(bundle_id: str, state: State) -> dict[str, dict[str, Any]]:
+    """Raw manifests of the other enabled bundles that load (status never fails on them)."""
+    enabled = set(state.enabled_ids()) - {bundle_id}
+    if not enabled:
+        return {}
+    bundles, _ = discover_tolerant()
+    return {b.bundle_id: b.raw for b in bundles if b.bundle_id in enabled}
+
+
+def assess(
+    bundle: InstalledBundle,
+    state: State,
+    *,
+    peers: Sequence[InstalledBundle] | None = None,
+    command: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Status states and evidence, plus what ``run`` needs to decide on refusals.
+
+    ``peers`` (the bundles launching together) and ``command`` are given by ``run``; for
+    ``status`` the peers are the other enabled bundles and there is no command.
+    """
     manifest = bundle.manifest
     _require_vllm_provider(bundle)
     configuration = state.configuration(bundle.bundle_id)
@@ -133,7 +152,14 @@ def assess(bundle: InstalledBundle, state: State) -> dict[str, Any]:
         states.extend(s for s, ok in (("reachable", reachable), ("healthy", healthy)) if ok)
         degraded = degraded or not (reachable and healthy)
         result["unhealthy"] = unhealthy
-    for ok, line in provider.bundle_checks(bundle.bundle_id, bundle.raw, configuration):
+    others = (
+        _enabled_peers(bundle.bundle_id, state)
+        if peers is None
+        else {b.bundle_id: b.raw for b in peers if b.bundle_id != bundle.bundle_id}
+    )
+    context = {"enabled_bundles": others, "command": None if command is None else list(command)}
+    checks = provider.bundle_checks(bundle.bundle_id, bundle.raw, configuration, context)
+    for ok, line in checks:
         evidence.append(line)
         if not ok:
             degraded = True
@@ -285,12 +311,17 @@ def _is_vllm_serve(command: Sequence[str]) -> bool:
     return len(command) > 1 and os.path.basename(command[0]) == "vllm" and command[1] == "serve"
 
 
-def _refuse(bundle: InstalledBundle, state: State, command: Sequence[str]) -> None:
+def _refuse(
+    bundle: InstalledBundle,
+    state: State,
+    command: Sequence[str],
+    peers: Sequence[InstalledBundle],
+) -> None:
     """Raise the first §6.2 refusal that applies to this enabled bundle."""
     bundle_id, manifest = bundle.bundle_id, bundle.manifest
     if manifest.activation_blocker is not None:
         raise ValueError(f"refusing to launch {bundle_id!r}: {manifest.activation_blocker}")
-    assessed = assess(bundle, state)
+    assessed = assess(bundle, state, peers=peers, command=command)
     evidence = "; ".join(assessed["evidence"])
     if "incompatible" in assessed["states"]:
         raise ValueError(f"refusing to launch incompatible extension {bundle_id!r}: {evidence}")
@@ -374,7 +405,7 @@ def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[Installed
     except ValueError as error:
         command, bad_command = [], error
     for bundle in bundles:
-        _refuse(bundle, state, command)
+        _refuse(bundle, state, command, bundles)
     if bad_command is not None:
         raise bad_command
     command = merge_additional_config(command, _merged_additional_config(bundles))
@@ -407,6 +438,8 @@ def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
     evidence = launch_environment(
         [(b.bundle_id, b.manifest.extension_version, str(b.manifest_path)) for b in bundles]
     )
+    state = load_state()
+    configurations = {b.bundle_id: state.configuration(b.bundle_id) for b in bundles}
     directory = None
     try:
         native_env: dict[str, str] = {}
@@ -416,6 +449,17 @@ def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
         return supervise(launch.command, environment, grace)
     finally:
         remove_directory(directory)
+        _shutdown_hooks(bundles, configurations)
+
+
+def _shutdown_hooks(
+    bundles: Sequence[InstalledBundle], configurations: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """After the launch ended: each bundle's shutdown hook, its report on stderr."""
+    for bundle in bundles:
+        configuration = configurations[bundle.bundle_id]
+        for line in provider.bundle_shutdown(bundle.bundle_id, bundle.raw, configuration):
+            print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
 
 
 # --- parser -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ __all__ = [
     "BUNDLE_GROUP",
     "CHECK_GROUP",
     "MANIFEST_FILENAMES",
+    "SHUTDOWN_GROUP",
     "Diagnostic",
     "DiscoveryError",
     "InstalledBundle",
@@ -31,6 +32,7 @@ __all__ = [
 
 BUNDLE_GROUP = "vllm_hust.extension_bundles"
 CHECK_GROUP = "vllm_hust_ext.bundle_checks"
+SHUTDOWN_GROUP = "vllm_hust_ext.bundle_shutdown"
 MANIFEST_FILENAMES = (
     "vllm-hust-extension-v0.2.json",
     "vllm-hust-extension-v1.json",

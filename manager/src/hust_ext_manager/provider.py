@@ -10,6 +10,7 @@ declare ``host_version`` / ``host_api_version`` / ``protocol_versions`` instead.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from hust_ext_manager.discovery import CHECK_GROUP, InstalledBundle
+from hust_ext_manager.discovery import CHECK_GROUP, SHUTDOWN_GROUP, InstalledBundle
 from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "RENDERED_CONTRACTS",
     "CheckResult",
     "bundle_checks",
+    "bundle_shutdown",
     "check",
     "host_has_preemption_contract",
     "native_manifest",
@@ -277,20 +279,58 @@ def service_health(
     return reachable, healthy, evidence, unhealthy
 
 
+def _takes_context(function: Any) -> bool:
+    try:
+        return "context" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # builtins and C callables may have no signature
+        return False
+
+
 def bundle_checks(
-    bundle_id: str, manifest_raw: Mapping[str, Any], configuration: Mapping[str, Any]
+    bundle_id: str,
+    manifest_raw: Mapping[str, Any],
+    configuration: Mapping[str, Any],
+    context: Mapping[str, Any] | None = None,
 ) -> list[tuple[bool, str]]:
-    """Run the bundle's own check from ``vllm_hust_ext.bundle_checks`` (loaded only here)."""
+    """Run the bundle's own check from ``vllm_hust_ext.bundle_checks`` (loaded only here).
+
+    A check is called as ``check(manifest, configuration)``. One that declares a ``context``
+    parameter also gets ``context=`` a dict with ``enabled_bundles`` (the raw manifests of
+    the *other* enabled bundles, by id) and ``command`` (the launch command for ``run``,
+    ``None`` for ``status``/``check``), so it can refuse a launch another bundle or an
+    option would break.
+    """
     results: list[tuple[bool, str]] = []
     for registration in importlib.metadata.entry_points(group=CHECK_GROUP, name=bundle_id):
         try:
             function = registration.load()
-            for ok, line in function(dict(manifest_raw), dict(configuration)):
+            extra = {"context": dict(context)} if context and _takes_context(function) else {}
+            for ok, line in function(dict(manifest_raw), dict(configuration), **extra):
                 results.append((bool(ok), str(line)))
         except Exception as error:  # a broken check is a failed check, never a crash
             text = " ".join(str(error).split()) or type(error).__name__
             results.append((False, f"bundle check failed: {text}"))
     return results
+
+
+def bundle_shutdown(
+    bundle_id: str, manifest_raw: Mapping[str, Any], configuration: Mapping[str, Any]
+) -> list[str]:
+    """Run the bundle's ``vllm_hust_ext.bundle_shutdown`` hook after a launch ended.
+
+    The hook gets ``(manifest, configuration)`` once the launched process group is gone and
+    returns report lines (what it cleaned up, what it left and why). It can never change
+    ``run``'s exit status: a raising hook is one more line.
+    """
+    lines: list[str] = []
+    for registration in importlib.metadata.entry_points(group=SHUTDOWN_GROUP, name=bundle_id):
+        try:
+            function = registration.load()
+            lines.extend(str(line) for line in function(dict(manifest_raw), dict(configuration)))
+        except Exception as error:
+            text = " ".join(str(error).split()) or type(error).__name__
+            lines.append(f"bundle shutdown hook failed: {text}")
+    return lines
 
 
 # --- plan and render ----------------------------------------------------------------

@@ -1,0 +1,289 @@
+"""``kvcached_provider.segments``: an instance's leaked segments are removed at shutdown.
+
+Guards kvcached-notes.md §7 check 9: the instance's control records (``<ipc>``,
+``<ipc>_g<N>``) and its TP socket directory are removed once nothing uses them; a record or
+directory still used by a live process (its environment names the instance with kvcached
+enabled, or it holds the file open) is kept and the pid named; other instances' records are
+reported as possibly stale and never touched; a socket directory holding anything but
+sockets is kept. Everything here is real: files in a temporary ``/dev/shm`` stand-in, real
+Unix sockets, real processes found through ``/proc``, the real ``kvcached-provider`` console
+script. No kvcached module is involved (the cleanup never imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcached_provider import segments
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).with_name("kvcached-provider")
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", str(directory))
+    return directory
+
+
+@pytest.fixture
+def ipc() -> Iterator[str]:
+    """A fresh instance name; its real ``/tmp`` socket directory is removed afterwards."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    yield name
+    directory = segments.tp_socket_dir(name)
+    if directory.exists():
+        subprocess.run(["rm", "-rf", str(directory)], check=True)
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    """A short ``/tmp`` stand-in: Unix socket paths are limited to 108 characters."""
+    directory = Path(tempfile.mkdtemp(prefix="kv", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory)
+
+
+def record(shm: Path, name: str) -> Path:
+    path = shm / name
+    path.write_bytes(bytes(segments.RECORD_SIZE))
+    return path
+
+
+def socket_dir(ipc: str, tmp: Path | None = None) -> Path:
+    """kvcached's TP socket directory with a bound worker socket in it (and one in pp1/)."""
+    directory = segments.tp_socket_dir(ipc, tmp)
+    (directory / "pp1").mkdir(parents=True)
+    for path in (directory / "w0.sock", directory / "pp1" / "w1.sock"):
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(path))
+    return directory
+
+
+def sleeper(env: dict[str, str], *, hold: Path | None = None) -> subprocess.Popen[bytes]:
+    """A live process with ``env`` (and ``hold`` open), ready when it prints."""
+    code = "import sys, time\n"
+    if hold is not None:
+        code += f"f = open({str(hold)!r}, 'rb')\n"
+    code += "print('ready', flush=True)\ntime.sleep(60)\n"
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
+                             stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    return child
+
+
+def stop(child: subprocess.Popen[bytes]) -> None:
+    child.kill()
+    child.wait()
+
+
+def test_socket_dir_name_follows_kvcached() -> None:
+    # kvcached's tp_ipc_util: /tmp/kvcached-tp-<name>-<uuid5(NAMESPACE_DNS, name).hex[:8]>
+    expected = uuid.uuid5(uuid.NAMESPACE_DNS, "llama-8000").hex[:8]
+    assert segments.tp_socket_dir("llama-8000") == Path(f"/tmp/kvcached-tp-llama-8000-{expected}")
+
+
+def test_leaked_records_and_socket_dir_are_removed(shm: Path, tmp: Path, ipc: str) -> None:
+    own = [record(shm, ipc), record(shm, f"{ipc}_g1"), record(shm, f"{ipc}_g12")]
+    sockets = socket_dir(ipc, tmp)
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert report.clean and report.kept == () and report.foreign == ()
+    assert sorted(report.removed) == sorted(str(p) for p in [*own, sockets])
+    assert not any(p.exists() for p in own) and not sockets.exists()
+    assert report.lines()[0].startswith("removed ")
+
+
+def test_dry_run_removes_nothing(shm: Path, tmp: Path, ipc: str) -> None:
+    path = record(shm, ipc)
+    sockets = socket_dir(ipc, tmp)
+    report = segments.cleanup(ipc, dry_run=True, tmp=tmp)
+    assert report.lines() == [f"would remove {path}", f"would remove {sockets}"]
+    assert path.exists() and (sockets / "w0.sock").exists()
+
+
+def test_nothing_to_do_says_so(shm: Path, tmp: Path, ipc: str) -> None:
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert report.lines() == [f"no leaked kvcached segment of instance {ipc!r}"]
+
+
+def test_a_live_engine_keeps_its_records(shm: Path, tmp: Path, ipc: str) -> None:
+    path = record(shm, ipc)
+    sockets = socket_dir(ipc, tmp)
+    engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": ipc})
+    try:
+        report = segments.cleanup(ipc, tmp=tmp)
+        assert not report.clean and report.removed == ()
+        assert report.kept == ((str(path), f"in use by pid {engine.pid}"),
+                               (str(sockets), f"in use by pid {engine.pid}"))
+        assert path.exists() and sockets.exists()
+    finally:
+        stop(engine)
+    assert segments.cleanup(ipc, tmp=tmp).clean  # once it is gone, they go
+    assert not path.exists() and not sockets.exists()
+
+
+def test_a_process_holding_the_record_open_keeps_it(shm: Path, ipc: str) -> None:
+    path = record(shm, ipc)
+    holder = sleeper({}, hold=path)  # no kvcached variables: found through its open fd
+    try:
+        report = segments.cleanup(ipc)
+        assert report.kept == ((str(path), f"in use by pid {holder.pid}"),)
+    finally:
+        stop(holder)
+
+
+def test_the_name_without_kvcached_enabled_is_not_a_user(shm: Path, ipc: str) -> None:
+    path = record(shm, ipc)
+    bystander = sleeper({"ENABLE_KVCACHED": "false", "KVCACHED_IPC_NAME": ipc})
+    try:
+        assert segments.cleanup(ipc).removed == (str(path),)
+    finally:
+        stop(bystander)
+
+
+def test_an_instance_named_like_a_group_keeps_its_record(shm: Path, ipc: str) -> None:
+    # "<ipc>_g2" is either group 2 of <ipc> or a separate instance of that name.
+    path = record(shm, f"{ipc}_g2")
+    other = sleeper({"ENABLE_KVCACHED": "1", "KVCACHED_IPC_NAME": f"{ipc}_g2"})
+    try:
+        assert segments.cleanup(ipc).kept == ((str(path), f"in use by pid {other.pid}"),)
+    finally:
+        stop(other)
+
+
+def test_other_instances_records_are_never_removed(shm: Path, ipc: str) -> None:
+    stale = record(shm, "kvcached_vLLM_4242")
+    live = record(shm, "llama-9000")
+    (shm / f"{ipc}x").write_bytes(bytes(segments.RECORD_SIZE))  # not ours: another name
+    (shm / "unrelated.bin").write_bytes(b"not a record")  # not record-sized: ignored
+    engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": "llama-9000"})
+    try:
+        report = segments.cleanup(ipc)
+    finally:
+        stop(engine)
+    assert report.removed == () and report.clean
+    assert dict(report.foreign) == {
+        str(stale): "possibly stale record of another instance; if no engine uses it remove "
+                    "it with `kvctl delete kvcached_vLLM_4242`",
+        str(live): f"another instance's record, in use by pid {engine.pid}",
+        str(shm / f"{ipc}x"): "possibly stale record of another instance; if no engine uses "
+                              f"it remove it with `kvctl delete {ipc}x`",
+    }
+    assert stale.exists() and live.exists() and (shm / f"{ipc}x").exists()
+
+
+def test_a_socket_dir_with_other_files_is_kept(shm: Path, tmp: Path, ipc: str) -> None:
+    sockets = socket_dir(ipc, tmp)
+    (sockets / "notes.txt").write_text("mine")
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert report.kept == ((str(sockets), f"holds {sockets / 'notes.txt'}, which is not a "
+                                          "socket; remove it by hand if it is stale"),)
+    assert (sockets / "w0.sock").exists()
+
+
+def test_bad_name_is_refused(shm: Path) -> None:
+    with pytest.raises(ValueError, match=r"KVCACHED_IPC_NAME '\.\./x' is invalid"):
+        segments.cleanup("../x")
+
+
+def test_shutdown_hook_uses_the_configured_name(shm: Path, ipc: str) -> None:
+    manifest = {"activation": {"environment": {"KVCACHED_IPC_NAME": "vllm_hust_kvcached"}}}
+    path = record(shm, ipc)
+    lines = segments.on_shutdown(manifest, {"environment": {"KVCACHED_IPC_NAME": ipc}})
+    assert lines == [f"removed {path}"] and not path.exists()
+    assert segments.on_shutdown({}, {}) == [
+        "KVCACHED_IPC_NAME is not set, so this instance's kvcached segments cannot be told "
+        "from others': nothing removed"]
+    assert "invalid ('a b')" in segments.on_shutdown(
+        {}, {"environment": {"KVCACHED_IPC_NAME": "a b"}})[0]
+
+
+def test_cli_cleanup(shm: Path, ipc: str) -> None:
+    path = record(shm, ipc)
+    sockets = socket_dir(ipc)  # the real /tmp location the command looks at
+    env = {**os.environ, "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
+    engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": ipc})
+    try:
+        kept = subprocess.run([str(CLI), "cleanup", "--ipc", ipc], env=env,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        stop(engine)
+    assert kept.returncode == 1, kept.stderr
+    assert kept.stdout.splitlines() == [f"kept {path}: in use by pid {engine.pid}",
+                                        f"kept {sockets}: in use by pid {engine.pid}"]
+    done = subprocess.run([str(CLI), "cleanup", "--ipc", ipc], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.splitlines() == [f"removed {path}",
+                                                                f"removed {sockets}"]
+    bad = subprocess.run([str(CLI), "cleanup", "--ipc", "a/b"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "kvcached-provider: error: --ipc 'a/b' is invalid: expected the instance's "
+        "KVCACHED_IPC_NAME, 1-64 characters from [A-Za-z0-9_-]"]
+
+
+def test_the_manager_cleans_up_after_a_launch(shm: Path, tmp_path: Path, ipc: str) -> None:
+    """The whole chain through the real ``vllm-hust-ext``: enable, configure, run, clean.
+
+    kvcached, a CUDA torch and an in-range vLLM are faked at the metadata boundary only
+    (``*.dist-info`` on ``PYTHONPATH``, the autopatch ``.pth`` in the user site directory),
+    so the bundle's checks pass and ``run`` launches. The launched command is a real
+    process with the bundle's environment that writes the instance's control record and
+    leaves a grandchild behind, as a SIGTERMed vLLM would leave its record.
+    """
+    from tests.test_kvcached_checks import fake_dist
+
+    site_dir = tmp_path / "fake-site"
+    site_dir.mkdir()
+    fake_dist(site_dir, "kvcached", "0.1.6", {"kvcached/_C.abi3.so": b"\x7fELF"})
+    fake_dist(site_dir, "torch", "2.9.0+cu128")
+    fake_dist(site_dir, "vllm", "0.28.1")
+    userbase = tmp_path / "userbase"
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    user_site = userbase / "lib" / version / "site-packages"
+    user_site.mkdir(parents=True)
+    (user_site / "kvcached_autopatch.pth").write_text("# stands in for kvcached's hook\n")
+    env = {**os.environ, "PYTHONPATH": str(site_dir), "PYTHONUSERBASE": str(userbase),
+           "VLLM_HUST_EXT_CONFIG": str(tmp_path / "config.json"),
+           "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
+    manager = str(Path(sys.executable).with_name("vllm-hust-ext"))
+
+    def call(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([manager, *argv], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    (tmp_path / "kv.json").write_text(json.dumps({"environment": {"KVCACHED_IPC_NAME": ipc}}))
+    for argv in (["extension", "enable", "org.vllm-hust.kvcached"],
+                 ["extension", "configure", "org.vllm-hust.kvcached", "--file",
+                  str(tmp_path / "kv.json")]):
+        assert call(*argv).returncode == 0
+    shown = json.loads(call("extension", "status", "org.vllm-hust.kvcached").stdout)
+    assert "degraded" not in shown["states"], shown["evidence"]
+    child = (
+        "import os, subprocess, sys\n"
+        "assert os.environ['KVCACHED_IPC_NAME'] == sys.argv[1]\n"
+        "assert os.environ['ENABLE_KVCACHED'] == 'true'\n"
+        "open(os.path.join(os.environ['KVCACHED_PROVIDER_SHM_DIR'], sys.argv[1]), 'wb')"
+        ".write(bytes(24))\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "sys.exit(7)\n"
+    )
+    done = call("run", "--shutdown-grace-seconds", "5", "--", sys.executable, "-c", child, ipc)
+    assert done.returncode == 7, done.stderr
+    assert not (shm / ipc).exists()
+    assert done.stderr.splitlines()[-1] == (
+        f"vllm-hust-ext: org.vllm-hust.kvcached: removed {shm / ipc}")
