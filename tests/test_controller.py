@@ -219,6 +219,48 @@ def test_evidence_sink_failure_never_changes_the_victim(
     assert events[-1] == "disabled"
 
 
+class Sequenced:
+    """Answers from a script: an id, None, or an exception to raise."""
+
+    def __init__(self, *answers: object) -> None:
+        self.answers = list(answers)
+
+    def select_victim(self, context: PreemptionContext) -> Any:
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+@pytest.mark.parametrize(("answers", "outcomes"), [
+    (("a", None, "c"), ["selected", "abstained", "selected"]),
+    ((None, "zzz", "a"), ["abstained", "invalid"]),  # disabled after the invalid answer
+    (("b", RuntimeError("boom"), "a"), ["selected", "exception"]),
+])
+def test_observer_sees_resolved_then_one_invoked_event_per_call(
+    answers: tuple[object, ...], outcomes: list[str]
+) -> None:
+    """The guarded host's evidence: ("resolved", "protocol-validated"), then per call."""
+    seen: list[tuple[str, str]] = []
+    controller = PolicyController(Sequenced(*answers), observer=lambda e, o: seen.append((e, o)))
+    for _ in answers:
+        controller.select_victim(three())
+    assert seen == [("resolved", "protocol-validated"), *(("invoked", o) for o in outcomes)]
+    assert controller.stats.calls == len(outcomes)
+
+
+def test_observer_failure_never_changes_the_victim() -> None:
+    def observer(event: str, outcome: str) -> None:
+        raise OSError("observer gone")
+
+    controller = PolicyController(Fixed("a"), observer=observer)
+    assert [controller.select_victim(three()) for _ in range(3)] == ["a", "a", "a"]
+    assert controller.enabled and controller.stats.selections == 3
+    quiet: list[tuple[str, str]] = []
+    PolicyController(None, observer=lambda e, o: quiet.append((e, o))).select_victim(three())
+    assert quiet == []  # no policy: nothing resolved, nothing invoked
+
+
 class WithFactory:
     seen: object = None
 

@@ -26,6 +26,7 @@ from bidkv_ext.contract import (
 )
 
 __all__ = [
+    "EvidenceObserver",
     "EvidenceSink",
     "PolicyController",
     "PreemptionPolicyController",
@@ -43,6 +44,11 @@ _WRONG_THREAD = "PreemptionPolicyController must be used by its scheduler thread
 # Receives controller lifecycle events ("initialized", "effective", "disabled") with the
 # exported counters; any failure in it is swallowed.
 EvidenceSink = Callable[[str, dict[str, object]], None]
+# The guarded host's evidence observer (preemption-contract.md §5): called as
+# observer(event, outcome) with ("resolved", "protocol-validated") once a policy is in
+# charge, and ("invoked", "selected" | "abstained" | "invalid" | "exception") per call.
+# Any failure in it is swallowed and never changes the victim.
+EvidenceObserver = Callable[[str, str], None]
 
 
 def builtin_victim_id(context: PreemptionContext) -> str:
@@ -101,19 +107,29 @@ def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPo
 class PolicyController:
     """Counts, validates and contains one policy for the life of an engine process."""
 
-    __slots__ = ("_evidence", "_owner", "_policy", "_select_with_facts", "_stats", "_wants_facts")
+    __slots__ = (
+        "_evidence",
+        "_observer",
+        "_owner",
+        "_policy",
+        "_select_with_facts",
+        "_stats",
+        "_wants_facts",
+    )
 
     def __init__(
         self,
         policy: PreemptionPolicy | None,
         *,
         evidence: EvidenceSink | None = None,
+        observer: EvidenceObserver | None = None,
     ) -> None:
         if policy is not None and not isinstance(policy, PreemptionPolicy):
             raise TypeError(_NOT_A_POLICY)
         self._owner = threading.get_ident()
         self._policy = policy
         self._evidence = evidence
+        self._observer = observer
         self._select_with_facts: Callable[..., object] | None = getattr(
             policy, "select_victim_with_facts", None
         )
@@ -128,6 +144,8 @@ class PolicyController:
             "Preemption policy initialized: policy=%s enabled=%s", name, self._stats.enabled
         )
         self._emit("initialized")
+        if policy is not None:
+            self._observe("resolved", "protocol-validated")
 
     @classmethod
     def from_spec(
@@ -136,9 +154,12 @@ class PolicyController:
         vllm_config: object | None = None,
         *,
         evidence: EvidenceSink | None = None,
+        observer: EvidenceObserver | None = None,
     ) -> PolicyController:
         # Not cls(...): a subclass may take another constructor (PreemptionPolicyController).
-        return PolicyController(load_policy(spec, vllm_config), evidence=evidence)
+        return PolicyController(
+            load_policy(spec, vllm_config), evidence=evidence, observer=observer
+        )
 
     @property
     def stats(self) -> PreemptionPolicyStats:
@@ -186,11 +207,15 @@ class PolicyController:
         except Exception:
             # One ERROR record, traceback attached (the contract's "exactly one ERROR line").
             self._disable("raised an exception", exc_info=True)
+            if self._observer is not None:
+                self._observe("invoked", "exception")
             return builtin_victim_id(context)
         if stats.calls == 1:
             self._emit("effective")
         if result is None:
             stats.abstentions += 1
+            if self._observer is not None:
+                self._observe("invoked", "abstained")
             return builtin_victim_id(context)
         # Any str names a candidate (a str subclass such as numpy.str_ included); the
         # candidate's own id object is returned, never the policy's.
@@ -201,13 +226,19 @@ class PolicyController:
                 found = candidates[hint].request_id
                 if found == result:
                     stats.selections += 1
+                    if self._observer is not None:
+                        self._observe("invoked", "selected")
                     return found
             index = candidate_index(candidates, result)
             if index >= 0:
                 stats.selections += 1
+                if self._observer is not None:
+                    self._observe("invoked", "selected")
                 return candidates[index].request_id
         stats.invalid_selections += 1
         self._disable(f"returned unknown request ID {_safe_repr(result)}")
+        if self._observer is not None:
+            self._observe("invoked", "invalid")
         return builtin_victim_id(context)
 
     def export_stats(self) -> dict[str, object]:
@@ -253,6 +284,16 @@ class PolicyController:
             # operator looks. Events are lifecycle ones (a few per process), not per call.
             logger.warning("evidence sink failed for %s event: %s", event, exc)
 
+    def _observe(self, event: str, outcome: str) -> None:
+        observer = self._observer
+        if observer is None:
+            return
+        try:
+            observer(event, outcome)
+        except Exception as exc:  # evidence must never change a decision
+            # DEBUG only: an observer sees every call, and the hot path must not log.
+            logger.debug("evidence observer failed for %s/%s: %s", event, outcome, exc)
+
 
 class PreemptionPolicyController(PolicyController):
     """The host module's name and constructor: ``PreemptionPolicyController(vllm_config)``.
@@ -264,9 +305,15 @@ class PreemptionPolicyController(PolicyController):
 
     __slots__ = ()
 
-    def __init__(self, vllm_config: object, *, evidence: EvidenceSink | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: object,
+        *,
+        evidence: EvidenceSink | None = None,
+        observer: EvidenceObserver | None = None,
+    ) -> None:
         spec = getattr(getattr(vllm_config, "scheduler_config", None), "preemption_policy", None)
-        super().__init__(load_policy(spec, vllm_config), evidence=evidence)
+        super().__init__(load_policy(spec, vllm_config), evidence=evidence, observer=observer)
 
 
 def _safe_repr(value: object) -> str:
