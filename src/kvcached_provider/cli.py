@@ -32,6 +32,7 @@ from kvcached_provider.limit import (
     validate_ipc_name,
     validate_timeout,
 )
+from kvcached_provider.segments import CleanupError, cleanup
 
 __all__ = ["main"]
 
@@ -110,8 +111,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
-    from kvcached_provider.segments import cleanup
-
     validate_ipc_name(args.ipc)
     report = cleanup(args.ipc, dry_run=args.dry_run)
     for line in report.lines():
@@ -127,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except LimitError as exc:
+    except (LimitError, CleanupError) as exc:
         print(f"kvcached-provider: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -34,6 +34,7 @@ from kvcached_provider.checks import IPC_NAME_PATTERN, planned_environment, shm_
 
 __all__ = [
     "RECORD_SIZE",
+    "CleanupError",
     "CleanupReport",
     "cleanup",
     "instance_users",
@@ -44,6 +45,10 @@ __all__ = [
 RECORD_SIZE = 24  # three native int64: total_size, used_size, prealloc_size
 _GROUP_SUFFIX = re.compile(r"_g[0-9]+$")
 _ENABLED = {b"true", b"1"}
+
+
+class CleanupError(ValueError):
+    """Bad input, or no way to tell used segments from leaked ones; nothing was removed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,12 @@ def instance_users(names: Iterable[str], paths: Iterable[Path]) -> list[int]:
     prefixes = tuple(str(p) for p in paths)
     skip = _ancestors()
     users = []
-    for entry in Path("/proc").iterdir():
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError as exc:  # without /proc nothing proves a segment unused: remove nothing
+        raise CleanupError(f"cannot list processes in /proc ({exc.strerror or exc}), so no "
+                         "segment can be shown unused; nothing removed") from exc
+    for entry in entries:
         if not entry.name.isdigit() or int(entry.name) in skip:
             continue
         if _environment_names(entry.name) in wanted or any(
@@ -226,7 +236,7 @@ def cleanup(
     other instances are only reported.
     """
     if not IPC_NAME_PATTERN.match(ipc):
-        raise ValueError(f"KVCACHED_IPC_NAME {ipc!r} is invalid: expected 1-64 characters "
+        raise CleanupError(f"KVCACHED_IPC_NAME {ipc!r} is invalid: expected 1-64 characters "
                          "from [A-Za-z0-9_-]")
     shm_path = shm if shm is not None else shm_dir()
     own, other = _records(ipc, shm_path)
