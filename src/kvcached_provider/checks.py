@@ -71,6 +71,7 @@ _KV_OWNERSHIP = re.compile(
     re.IGNORECASE,
 )
 _KV_EVENTS_OPTION = "--kv-events-config"
+_KV_EVENTS_FLAG = _KV_EVENTS_OPTION + ".enable_kv_cache_events"
 TORCH_PROBE_TIMEOUT_S = 60.0
 
 _INSTALL_HINT = (
@@ -355,7 +356,6 @@ def planned_environment(
     return env
 
 
-
 def _declared_names(manifest: Mapping[str, object]) -> list[str]:
     """Every contract and protocol name a manifest declares."""
     names: list[str] = []
@@ -394,20 +394,21 @@ def _kv_events_requested(command: Sequence[str]) -> bool:
     """Whether ``command`` turns on vLLM's KV-cache events (``--kv-events-config``)."""
     for index, arg in enumerate(command):
         option, has_value, inline = arg.partition("=")
-        if option == _KV_EVENTS_OPTION + ".enable_kv_cache_events":
-            value = inline if has_value else (command[index + 1] if index + 1 < len(command)
-                                              else "true")
-            if value.strip().lower() in {"true", "1"}:
+        if option not in (_KV_EVENTS_OPTION, _KV_EVENTS_FLAG):
+            continue
+        following = command[index + 1] if index + 1 < len(command) else None
+        value = inline if has_value else following
+        if option == _KV_EVENTS_FLAG:
+            # vLLM's dotted form sets one field; with no value it reads as a bare flag.
+            if value is None or value.startswith("-") or value.strip().lower() in {"true", "1"}:
                 return True
-        elif option == _KV_EVENTS_OPTION:
-            value = inline if has_value else (command[index + 1] if index + 1 < len(command)
-                                              else "")
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                continue  # vLLM itself rejects a malformed value
-            if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") is True:
-                return True
+            continue
+        try:
+            parsed = json.loads(value or "")
+        except ValueError:
+            continue  # vLLM itself rejects a malformed value
+        if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") is True:
+            return True
     return False
 
 
@@ -421,6 +422,7 @@ def check_kv_events(command: Sequence[str] | None) -> list[CheckLine]:
         "would silently receive nothing: drop the option or disable "
         f"{EXTENSION_ID}"
     ))]
+
 
 def _supported_range(manifest: Mapping[str, object]) -> str:
     host = manifest.get("host")

@@ -103,7 +103,7 @@ def _ancestors() -> set[int]:
     return pids
 
 
-def _environment_names(pid: str) -> str | None:
+def _kvcached_instance(pid: str) -> str | None:
     """The process's ``KVCACHED_IPC_NAME`` if it runs with kvcached enabled."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -158,7 +158,7 @@ def instance_users(names: Iterable[str], paths: Iterable[Path]) -> list[int]:
     for entry in entries:
         if not entry.name.isdigit() or int(entry.name) in skip:
             continue
-        if _environment_names(entry.name) in wanted or any(
+        if _kvcached_instance(entry.name) in wanted or any(
             path == prefix or path.startswith(prefix + "/")
             for path in _open_paths(entry.name)
             for prefix in prefixes
