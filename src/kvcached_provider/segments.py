@@ -13,7 +13,9 @@ environment names the instance (``KVCACHED_IPC_NAME``, with kvcached enabled), o
 has one of the paths open or mapped. This process and its ancestors (the shell, the
 manager) are never counted. Only the instance's own paths are ever removed, and only when
 nothing uses them; any other control record in ``/dev/shm`` is reported as possibly stale
-and left alone: it may belong to a live engine this process cannot see.
+and left alone: it may belong to a live engine this process cannot see. (Processes of
+other users cannot be inspected without privileges, but neither can their files in the
+sticky ``/dev/shm`` be removed: such a record is kept as "could not be removed".)
 
 The extension manager calls :func:`on_shutdown` through the ``vllm_hust_ext.bundle_shutdown``
 entry point once the launched process group is gone; ``kvcached-provider cleanup --ipc
