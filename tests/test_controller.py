@@ -261,6 +261,35 @@ def test_observer_failure_never_changes_the_victim() -> None:
     assert quiet == []  # no policy: nothing resolved, nothing invoked
 
 
+class Hinted(Fixed):
+    """Says where its victim sits, as BidKV does (the O(1) validation route)."""
+
+    def __init__(self, answer: str, index: int) -> None:
+        super().__init__(answer)
+        self.victim_index_hint = index
+
+
+def test_observer_on_the_hinted_route_and_through_the_host_constructor() -> None:
+    from types import SimpleNamespace
+
+    from bidkv_ext.controller import PreemptionPolicyController
+
+    seen: list[tuple[str, str]] = []
+    hinted = PolicyController(Hinted("b", 1), observer=lambda e, o: seen.append((e, o)))
+    assert hinted.select_victim(three()) == "b"
+    assert seen == [("resolved", "protocol-validated"), ("invoked", "selected")]
+    seen.clear()
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(
+        preemption_policy="bidkv_ext.selector.BidkvPreemptionPolicy"),
+        additional_config={"bidkv": {"enabled": True}})
+    host = PreemptionPolicyController(config, observer=lambda e, o: seen.append((e, o)))
+    spec = PolicyController.from_spec(Fixed(None), observer=lambda e, o: seen.append((e, o)))
+    host.select_victim(three())
+    spec.select_victim(three())
+    assert seen == [("resolved", "protocol-validated"), ("resolved", "protocol-validated"),
+                    ("invoked", "selected"), ("invoked", "abstained")]
+
+
 class WithFactory:
     seen: object = None
 

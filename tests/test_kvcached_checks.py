@@ -334,6 +334,10 @@ def test_a_protocol_name_counts_too() -> None:
     (["vllm", "serve", "m", "--kv-events-config.enable_kv_cache_events=false"], False),
     (["vllm", "serve", "m", "--kv-events-config.enable_kv_cache_events", "--port", "1"], True),
     (["vllm", "serve", "m", "--kv-events-config", "{not json"], False),  # vLLM rejects it
+    (["vllm", "serve", "m", "--kv_events_config", '{"enable_kv_cache_events": true}'], True),
+    (["vllm", "serve", "m", "--kv_events_config.enable_kv_cache_events", "on"], True),
+    (["vllm", "serve", "m", "--kv-events-config", '{"enable_kv_cache_events": "yes"}'], True),
+    (["vllm", "serve", "m", "--kv-events-config", '{"enable_kv_cache_events": "off"}'], False),
 ])
 def test_kv_events_on_the_command_line(command: list[str], refused: bool) -> None:
     lines = checks.check_kv_events(command)

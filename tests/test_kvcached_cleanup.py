@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,9 @@ def tmp() -> Iterator[Path]:
 
 
 def record(shm: Path, name: str) -> Path:
+    """A control record as kvcached writes it: three int64, ``total_size`` first (> 0)."""
     path = shm / name
-    path.write_bytes(bytes(segments.RECORD_SIZE))
+    path.write_bytes(struct.pack("=qqq", 8 << 30, 0, 0))
     return path
 
 
@@ -145,13 +147,74 @@ def test_a_process_holding_the_record_open_keeps_it(shm: Path, ipc: str) -> None
         stop(holder)
 
 
-def test_the_name_without_kvcached_enabled_is_not_a_user(shm: Path, ipc: str) -> None:
+def test_naming_the_instance_is_enough(shm: Path, ipc: str) -> None:
+    # kvcached releases differ in how they are switched on: the name alone counts.
     path = record(shm, ipc)
-    bystander = sleeper({"ENABLE_KVCACHED": "false", "KVCACHED_IPC_NAME": ipc})
+    other = sleeper({"ENABLE_KVCACHED": "false", "KVCACHED_IPC_NAME": ipc})
     try:
-        assert segments.cleanup(ipc).removed == (str(path),)
+        assert segments.cleanup(ipc).kept == ((str(path), f"in use by pid {other.pid}"),)
     finally:
-        stop(bystander)
+        stop(other)
+
+
+def test_the_name_is_compared_as_kvcached_sanitises_it(shm: Path, ipc: str) -> None:
+    path = record(shm, f"{ipc}-dot")  # kvcached turns "<ipc>.dot" into "<ipc>-dot"
+    engine = sleeper({"KVCACHED_IPC_NAME": f"{ipc}.dot"})
+    try:
+        assert segments.cleanup(f"{ipc}-dot").kept == (
+            (str(path), f"in use by pid {engine.pid}"),)
+    finally:
+        stop(engine)
+
+
+def test_a_default_name_belongs_to_its_process_group(shm: Path) -> None:
+    """Without KVCACHED_IPC_NAME kvcached names the instance kvcached_<engine>_<pgid>."""
+    engine = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); "
+                               "import time; time.sleep(60)"], stdout=subprocess.PIPE,
+                              start_new_session=True)  # its own group: pgid == pid
+    assert engine.stdout is not None and engine.stdout.readline() == b"ready\n"
+    names = [f"kvcached_vLLM_{engine.pid}", f"kvcached_vLLM_{engine.pid}_1_g2"]
+    paths = [record(shm, n) for n in names]
+    try:
+        for name, path in zip(names, paths, strict=True):
+            assert segments.cleanup(name).kept == ((str(path), f"in use by pid {engine.pid}"),)
+    finally:
+        stop(engine)
+    assert segments.cleanup(names[0]).removed == (str(paths[0]),)
+
+
+def test_a_bound_socket_keeps_the_socket_dir(shm: Path, tmp: Path, ipc: str) -> None:
+    # A socket fd reads as "socket:[inode]": a listening worker is seen in /proc/net/unix.
+    directory = segments.tp_socket_dir(ipc, tmp)
+    directory.mkdir()
+    code = ("import socket, time\ns = socket.socket(socket.AF_UNIX)\n"
+            f"s.bind({str(directory / 'w0.sock')!r}); s.listen()\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+    try:
+        assert segments.cleanup(ipc, tmp=tmp).kept == (
+            (str(directory), f"a live process is bound to {directory / 'w0.sock'}"),)
+    finally:
+        stop(worker)
+    assert segments.cleanup(ipc, tmp=tmp).removed == (str(directory),)
+
+
+def test_without_proc_nothing_is_removed(shm: Path, ipc: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = record(shm, ipc)
+    monkeypatch.setattr(segments, "_PROC", shm / "no-proc")
+    with pytest.raises(segments.CleanupError, match=r"cannot list processes in .*nothing "
+                                                    r"removed"):
+        segments.cleanup(ipc)
+    assert path.exists()
+    assert segments.on_shutdown({}, {"environment": {"KVCACHED_IPC_NAME": ipc}})[0].startswith(
+        "cannot list processes in")
+
+
+def test_an_unreadable_shm_dir_is_an_error(tmp_path: Path, ipc: str) -> None:
+    with pytest.raises(segments.CleanupError, match=r"cannot list .*missing.*nothing removed"):
+        segments.cleanup(ipc, shm=tmp_path / "missing")
 
 
 def test_an_instance_named_like_a_group_keeps_its_record(shm: Path, ipc: str) -> None:
@@ -167,7 +230,7 @@ def test_an_instance_named_like_a_group_keeps_its_record(shm: Path, ipc: str) ->
 def test_other_instances_records_are_never_removed(shm: Path, ipc: str) -> None:
     stale = record(shm, "kvcached_vLLM_4242")
     live = record(shm, "llama-9000")
-    (shm / f"{ipc}x").write_bytes(bytes(segments.RECORD_SIZE))  # not ours: another name
+    (shm / f"{ipc}x").write_bytes(bytes(segments.RECORD_SIZE))  # total_size 0: not a record
     (shm / "unrelated.bin").write_bytes(b"not a record")  # not record-sized: ignored
     engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": "llama-9000"})
     try:
@@ -179,8 +242,6 @@ def test_other_instances_records_are_never_removed(shm: Path, ipc: str) -> None:
         str(stale): "possibly stale record of another instance; if no engine uses it remove "
                     "it with `kvctl delete kvcached_vLLM_4242`",
         str(live): f"another instance's record, in use by pid {engine.pid}",
-        str(shm / f"{ipc}x"): "possibly stale record of another instance; if no engine uses "
-                              f"it remove it with `kvctl delete {ipc}x`",
     }
     assert stale.exists() and live.exists() and (shm / f"{ipc}x").exists()
 
@@ -224,7 +285,9 @@ def test_cli_cleanup(shm: Path, ipc: str) -> None:
     assert kept.returncode == 1, kept.stderr
     assert kept.stdout.splitlines() == [f"kept {path}: in use by pid {engine.pid}",
                                         f"kept {sockets}: in use by pid {engine.pid}"]
-    done = subprocess.run([str(CLI), "cleanup", "--ipc", ipc], env=env,
+    # The command's own environment (and so its shell's) names the instance: never a user.
+    named = {**env, "ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": ipc}
+    done = subprocess.run(["sh", "-c", f"{CLI} cleanup --ipc {ipc}"], env=named,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines() == [f"removed {path}",
                                                                 f"removed {sockets}"]

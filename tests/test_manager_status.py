@@ -318,6 +318,28 @@ def test_shutdown_hooks_report_after_the_launch_and_never_change_its_status(
     ]
 
 
+def test_a_late_signal_neither_interrupts_the_hooks_nor_changes_the_status(
+    site: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while the shutdown hooks run (after the launch ended) is ignored."""
+    (site / "fakehook_signal.py").write_text(
+        "import os, signal, time\n"
+        "def on_shutdown(manifest, configuration):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    return ['finished']\n"
+    )
+    install(site, {"org.test.p": BASE}, shutdown={"org.test.p": "fakehook_signal:on_shutdown"})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_HUST_EXT_EVIDENCE_PATH"}
+    env.update(PYTHONPATH=str(site), VLLM_HUST_EXT_CONFIG=str(tmp_path / "config.json"))
+    manager = str(Path(sys.executable).with_name("vllm-hust-ext"))
+    done = subprocess.run([manager, "run", "--", "sh", "-c", "exit 5"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5, done.stderr
+    assert done.stderr.splitlines() == ["vllm-hust-ext: org.test.p: finished"]
+
+
 # --- host, qualification, services ----------------------------------------------------
 
 

@@ -72,6 +72,7 @@ _KV_OWNERSHIP = re.compile(
 )
 _KV_EVENTS_OPTION = "--kv-events-config"
 _KV_EVENTS_FLAG = _KV_EVENTS_OPTION + ".enable_kv_cache_events"
+_TRUE_WORDS = frozenset({"true", "1", "yes", "on", "t", "y"})
 TORCH_PROBE_TIMEOUT_S = 60.0
 
 _INSTALL_HINT = (
@@ -323,6 +324,14 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             f"not address the instance by it); set a valid one with {_CONFIGURE_HINT}"
         ))]
     lines: list[CheckLine] = [(True, f"KVCACHED_IPC_NAME is {name!r}")]
+    if re.search(r"_g[0-9]+$", name):
+        lines.append((True, (
+            f"KVCACHED_IPC_NAME {name!r} ends like a KV-group suffix: kvcached names group N "
+            f"of instance X 'X_gN', so `kvcached-provider cleanup` of instance "
+            f"{re.sub(r'_g[0-9]+$', '', name)!r} would take this record for that instance's "
+            "wherever it cannot see this engine's processes (another PID namespace); prefer "
+            f"a name without it ({_CONFIGURE_HINT})"
+        )))
     if name == DEFAULT_IPC_NAME:
         lines.append((True, (
             f"KVCACHED_IPC_NAME is the bundle default {name!r}; engines sharing this host "
@@ -390,24 +399,39 @@ def check_peer_bundles(enabled: Mapping[str, Mapping[str, object]]) -> list[Chec
     ))]
 
 
+def _option_name(arg: str) -> tuple[str, str | None]:
+    """``--opt_name.field=value`` -> (``--opt-name.field``, ``value``), as vLLM reads it
+    (its parser turns ``_`` into ``-`` in the option's name, before any ``.``)."""
+    option, has_value, inline = arg.partition("=")
+    head, dot, field = option.partition(".")
+    return head.replace("_", "-") + dot + field, inline if has_value else None
+
+
+def _truthy(value: object) -> bool:
+    """pydantic's reading of a boolean field (``true``/``1``/``yes``/``on``/``t``/``y``)."""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_WORDS
+    return value is True or (type(value) is int and value == 1)
+
+
 def _kv_events_requested(command: Sequence[str]) -> bool:
     """Whether ``command`` turns on vLLM's KV-cache events (``--kv-events-config``)."""
     for index, arg in enumerate(command):
-        option, has_value, inline = arg.partition("=")
+        option, inline = _option_name(arg)
         if option not in (_KV_EVENTS_OPTION, _KV_EVENTS_FLAG):
             continue
         following = command[index + 1] if index + 1 < len(command) else None
-        value = inline if has_value else following
+        value = inline if inline is not None else following
         if option == _KV_EVENTS_FLAG:
             # vLLM's dotted form sets one field; with no value it reads as a bare flag.
-            if value is None or value.startswith("-") or value.strip().lower() in {"true", "1"}:
+            if value is None or value.startswith("-") or _truthy(value):
                 return True
             continue
         try:
             parsed = json.loads(value or "")
         except ValueError:
             continue  # vLLM itself rejects a malformed value
-        if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") is True:
+        if isinstance(parsed, dict) and _truthy(parsed.get("enable_kv_cache_events")):
             return True
     return False
 

@@ -8,14 +8,22 @@ SIGKILL, and on vLLM even a graceful SIGTERM (kvcached #477), so the next engine
 same name would start from a stale limit.
 
 The record has no owner or liveness field, and kvcached opens it only briefly around each
-read or write, so "in use" is decided from the processes themselves: a live process whose
-environment names the instance (``KVCACHED_IPC_NAME``, with kvcached enabled), or that
-has one of the paths open or mapped. This process and its ancestors (the shell, the
-manager) are never counted. Only the instance's own paths are ever removed, and only when
-nothing uses them; any other control record in ``/dev/shm`` is reported as possibly stale
-and left alone: it may belong to a live engine this process cannot see. (Processes of
-other users cannot be inspected without privileges, but neither can their files in the
-sticky ``/dev/shm`` be removed: such a record is kept as "could not be removed".)
+read or write, so "in use" is decided from one reading of ``/proc``. A live process uses
+the instance when its environment names it in ``KVCACHED_IPC_NAME`` (compared as kvcached
+sanitises it, whether or not kvcached is enabled there), when it belongs to the process
+group a default name ``kvcached_<engine>_<pgid>`` was derived from, or when it has one of
+the paths open or mapped; a socket directory is also in use while some process is bound
+to a socket in it (``/proc/net/unix``: a socket fd does not show its path). This process
+and its ancestors (the shell, the manager, init) are never counted.
+
+Only the instance's own paths are removed, and only when nothing uses them. Any other
+kvcached record in ``/dev/shm`` is reported as possibly stale and left alone. Limits: a
+process in another PID namespace that shares ``/dev/shm`` (``--ipc=host``) is invisible
+here, so such deployments should run the cleanup where the engines run; and ``<ipc>_g<N>``
+is taken as group ``N`` of ``<ipc>`` unless a visible process uses an instance named
+``<ipc>_g<N>`` (``check_ipc_name`` warns about such names). Processes of other users cannot
+be inspected without privileges, but neither can their files in the sticky ``/dev/shm``
+be removed by us: such a record is kept as "could not be removed".
 
 The extension manager calls :func:`on_shutdown` through the ``vllm_hust_ext.bundle_shutdown``
 entry point once the launched process group is gone; ``kvcached-provider cleanup --ipc
@@ -27,8 +35,9 @@ from __future__ import annotations
 import os
 import re
 import stat
+import struct
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +48,16 @@ __all__ = [
     "CleanupError",
     "CleanupReport",
     "cleanup",
-    "instance_users",
     "on_shutdown",
+    "snapshot",
     "tp_socket_dir",
 ]
 
 RECORD_SIZE = 24  # three native int64: total_size, used_size, prealloc_size
 _GROUP_SUFFIX = re.compile(r"_g[0-9]+$")
-_ENABLED = {b"true", b"1"}
+# kvcached's own name when KVCACHED_IPC_NAME is unset: kvcached_<engine>_<pgid>[_<i>].
+_DEFAULT_NAME = re.compile(r"kvcached_[A-Za-z]+_([0-9]+)(?:_[0-9]+)?")
+_PROC = Path("/proc")
 
 
 class CleanupError(ValueError):
@@ -92,38 +103,74 @@ def _instance_of(record_name: str) -> set[str]:
     return names
 
 
+def _sanitized(name: str) -> str:
+    """The name kvcached uses for an explicit ``KVCACHED_IPC_NAME`` (its ``utils``)."""
+    return "".join(ch if ch.isalnum() or ch in "_-" else "-" for ch in name)[:64]
+
+
+@dataclass(frozen=True, slots=True)
+class _Process:
+    """What tells whether one live process uses a kvcached instance."""
+
+    pid: int
+    pgid: int
+    ipc_name: str | None  # its KVCACHED_IPC_NAME as kvcached would use it, if set
+    paths: frozenset[str]  # files it has open or mapped
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """Every other live process, and the paths of the Unix sockets someone is bound to."""
+
+    processes: tuple[_Process, ...]
+    bound_sockets: frozenset[str]
+
+    def users(self, record_name: str, path: Path) -> list[int]:
+        """Pids using the instance(s) ``record_name`` can belong to, or ``path`` itself."""
+        names = _instance_of(record_name)
+        # Without an explicit name kvcached uses kvcached_<engine>_<pgid>[_<i>]: then every
+        # process of that group, whatever its environment, counts.
+        groups = {int(m.group(1)) for n in names if (m := _DEFAULT_NAME.fullmatch(n))}
+        prefix = str(path)
+        return sorted(p.pid for p in self.processes if p.ipc_name in names or p.pgid in groups
+                      or any(f == prefix or f.startswith(prefix + "/") for f in p.paths))
+
+
 def _ancestors() -> set[int]:
-    """This process and its ancestors: they launched or asked for the cleanup."""
+    """This process and its ancestors (init included): they launched or asked for the cleanup."""
     pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
+    while pid > 0 and pid not in pids:
         pids.add(pid)
         try:
-            stat_line = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+            stat_line = (_PROC / str(pid) / "stat").read_text(encoding="utf-8")
             pid = int(stat_line[stat_line.rfind(")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             break
     return pids
 
 
-def _kvcached_instance(pid: str) -> str | None:
-    """The process's ``KVCACHED_IPC_NAME`` if it runs with kvcached enabled."""
+def _ipc_name(entry: Path) -> str | None:
+    """``KVCACHED_IPC_NAME`` from a process's environment, whatever else it sets.
+
+    ``ENABLE_KVCACHED`` is not required: releases differ in how kvcached is switched on,
+    and a process that names the instance is counted rather than risk a live segment.
+    """
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        raw = (entry / "environ").read_bytes()
     except OSError:
         return None
-    variables = dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
-    if variables.get(b"ENABLE_KVCACHED", b"").strip().lower() not in _ENABLED:
-        return None
-    name = variables.get(b"KVCACHED_IPC_NAME")
-    return name.decode(errors="replace") if name else None
+    for item in raw.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key == b"KVCACHED_IPC_NAME" and value:
+            return _sanitized(value.decode(errors="replace"))
+    return None
 
 
-def _open_paths(pid: str) -> set[str]:
+def _open_paths(entry: Path) -> frozenset[str]:
     """Paths a process has open (fds) or mapped."""
     found: set[str] = set()
-    fd_dir = Path(f"/proc/{pid}/fd")
     try:
-        fds = list(fd_dir.iterdir())
+        fds = list((entry / "fd").iterdir())
     except OSError:
         fds = []
     for fd in fds:
@@ -132,61 +179,77 @@ def _open_paths(pid: str) -> set[str]:
         except OSError:
             continue
     try:
-        maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        maps = (entry / "maps").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return found
+        maps = ""
     for line in maps.splitlines():
         parts = line.split(maxsplit=5)
         if len(parts) == 6:
             found.add(parts[5].removesuffix(" (deleted)"))
-    return found
+    return frozenset(found)
 
 
-def instance_users(names: Iterable[str], paths: Iterable[Path]) -> list[int]:
-    """Live processes (besides this one and its ancestors) that use the instance.
-
-    A process uses it when its environment names one of ``names`` with kvcached enabled,
-    or when it has one of ``paths`` (or a file inside one of them) open or mapped.
-    """
-    wanted = set(names)
-    prefixes = tuple(str(p) for p in paths)
-    skip = _ancestors()
-    users = []
+def _pgid(entry: Path) -> int:
     try:
-        entries = list(Path("/proc").iterdir())
+        stat_line = (entry / "stat").read_text(encoding="utf-8")
+        return int(stat_line[stat_line.rfind(")") + 2 :].split()[2])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _bound_sockets() -> frozenset[str]:
+    """Paths of the Unix sockets some live process is bound to (``/proc/net/unix``).
+
+    A socket fd reads as ``socket:[inode]``, so a listening TP worker is seen only here.
+    """
+    try:
+        lines = (_PROC / "net" / "unix").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    return frozenset(parts[7] for line in lines.splitlines()[1:]
+                     if len(parts := line.split(maxsplit=7)) == 8)
+
+
+def snapshot() -> _Snapshot:
+    """Read ``/proc`` once; raises :class:`CleanupError` when it cannot be listed."""
+    try:
+        entries = [e for e in _PROC.iterdir() if e.name.isdigit()]
     except OSError as exc:  # without /proc nothing proves a segment unused: remove nothing
-        raise CleanupError(f"cannot list processes in /proc ({exc.strerror or exc}), so no "
-                         "segment can be shown unused; nothing removed") from exc
-    for entry in entries:
-        if not entry.name.isdigit() or int(entry.name) in skip:
-            continue
-        if _kvcached_instance(entry.name) in wanted or any(
-            path == prefix or path.startswith(prefix + "/")
-            for path in _open_paths(entry.name)
-            for prefix in prefixes
-        ):
-            users.append(int(entry.name))
-    return sorted(users)
+        raise CleanupError(f"cannot list processes in {_PROC} ({exc.strerror or exc}), so "
+                           "no segment can be shown unused; nothing removed") from exc
+    skip = _ancestors()
+    processes = tuple(
+        _Process(int(e.name), _pgid(e), _ipc_name(e), _open_paths(e))
+        for e in entries if int(e.name) not in skip
+    )
+    return _Snapshot(processes, _bound_sockets())
+
+
+def _is_record(path: Path) -> bool:
+    """A file kvctl would list: 24 bytes whose ``total_size`` (first int64) is positive."""
+    try:
+        if not stat.S_ISREG(path.lstat().st_mode) or path.stat().st_size != RECORD_SIZE:
+            return False
+        with path.open("rb") as handle:
+            return bool(struct.unpack("=q", handle.read(8))[0] > 0)
+    except (OSError, struct.error):
+        return False
 
 
 def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
-    """The instance's control records, and every other record-sized file in ``shm``."""
-    own: list[Path] = []
-    other: list[Path] = []
+    """The instance's control records, and every other kvcached record in ``shm``."""
     try:
         entries = sorted(shm.iterdir())
-    except OSError:
-        return own, other
+    except OSError as exc:
+        raise CleanupError(f"cannot list {shm} ({exc.strerror or exc}); nothing removed"
+                           ) from exc
+    own: list[Path] = []
+    other: list[Path] = []
     for path in entries:
         name = path.name
         if name == ipc or (name.startswith(ipc) and _GROUP_SUFFIX.fullmatch(name[len(ipc) :])):
             own.append(path)
-            continue
-        try:
-            info = path.lstat()
-        except OSError:
-            continue
-        if stat.S_ISREG(info.st_mode) and info.st_size == RECORD_SIZE:
+        elif _is_record(path):
             other.append(path)
     return own, other
 
@@ -213,11 +276,19 @@ def _remove_tree(directory: Path) -> None:
     os.rmdir(directory)
 
 
-def _remove(path: Path, users: list[int], dry_run: bool) -> str | None:
-    """Remove one of the instance's paths; the reason it stays, or None once it is gone."""
+def _in_use(users: list[int]) -> str:
+    return f"in use by pid {', '.join(map(str, users))}"
+
+
+def _remove(path: Path, owner: str, live: _Snapshot, dry_run: bool) -> str | None:
+    """Remove one of instance ``owner``'s paths; why it stays, or None once it is gone."""
+    users = live.users(owner, path)
     if users:
-        return f"in use by pid {', '.join(map(str, users))}"
+        return _in_use(users)
     if path.is_dir() and not path.is_symlink():
+        bound = sorted(s for s in live.bound_sockets if s.startswith(f"{path}/"))
+        if bound:
+            return f"a live process is bound to {bound[0]}"
         refusal = _socket_dir_refusal(path)
         if refusal is not None:
             return refusal
@@ -234,7 +305,7 @@ def cleanup(
 ) -> CleanupReport:
     """Remove instance ``ipc``'s leaked control records and TP socket directory.
 
-    Each path stays when a live process uses it (see :func:`instance_users`); records of
+    Each path stays while a live process uses it (see the module docstring); records of
     other instances are only reported.
     """
     if not IPC_NAME_PATTERN.match(ipc):
@@ -245,12 +316,14 @@ def cleanup(
     sockets = tp_socket_dir(ipc, tmp)
     if sockets.exists() or sockets.is_symlink():
         own.append(sockets)
+    live = snapshot()
     removed: list[str] = []
     kept: list[tuple[str, str]] = []
     for path in own:
-        users = instance_users(_instance_of(path.name) | {ipc}, [path])
+        # A record is named after its instance (and group); the socket directory is not.
+        owner = ipc if path == sockets else path.name
         try:
-            why = _remove(path, users, dry_run)
+            why = _remove(path, owner, live, dry_run)
         except OSError as exc:
             why = f"could not be removed ({exc.strerror or exc})"
         if why is None:
@@ -259,10 +332,10 @@ def cleanup(
             kept.append((str(path), why))
     foreign = []
     for path in other:
-        users = instance_users(_instance_of(path.name), [path])
-        note = (f"another instance's record, in use by pid {', '.join(map(str, users))}"
-                if users else "possibly stale record of another instance; if no engine uses "
-                f"it remove it with `kvctl delete {path.name}`")
+        users = live.users(path.name, path)
+        note = (f"another instance's record, {_in_use(users)}" if users else
+                "possibly stale record of another instance; if no engine uses it remove it "
+                f"with `kvctl delete {path.name}`")
         foreign.append((str(path), note))
     return CleanupReport(ipc, tuple(removed), tuple(kept), tuple(foreign), dry_run)
 
@@ -274,4 +347,7 @@ def on_shutdown(manifest: Mapping[str, object], configuration: Mapping[str, obje
         return [f"KVCACHED_IPC_NAME is {'not set' if ipc is None else f'invalid ({ipc!r})'}, "
                 "so this instance's kvcached segments cannot be told from others': nothing "
                 "removed"]
-    return cleanup(ipc).lines()
+    try:
+        return cleanup(ipc).lines()
+    except CleanupError as exc:
+        return [str(exc)]

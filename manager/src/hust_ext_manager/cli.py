@@ -20,6 +20,7 @@ from hust_ext_manager.launch import (
     ENABLED_BUNDLES_ENV,
     NATIVE_ENVIRONMENT,
     LaunchPlan,
+    ignoring_signals,
     merge_additional_config,
     merge_flag,
     merge_option,
@@ -396,7 +397,10 @@ def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list
     return command
 
 
-def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[InstalledBundle]]:
+def build_launch(
+    raw_command: Sequence[str],
+) -> tuple[LaunchPlan, list[InstalledBundle], dict[str, dict[str, Any]]]:
+    """The launch, the bundles in it, and each bundle's configuration as the plan read it."""
     state = load_state()
     bundles = list(discover(state.enabled_ids()))
     # §6.2: the refusals (step 2) come before the command is parsed (step 3).
@@ -422,13 +426,14 @@ def build_launch(raw_command: Sequence[str]) -> tuple[LaunchPlan, list[Installed
             "vllm-hust-ext owns VLLM_EXTENSION_MANIFESTS and VLLM_EXTENSION_BUNDLES while "
             "launching enabled vLLM extensions"
         )
-    return LaunchPlan(tuple(command), environment, native), bundles
+    configurations = {b.bundle_id: state.configuration(b.bundle_id) for b in bundles}
+    return LaunchPlan(tuple(command), environment, native), bundles, configurations
 
 
 def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
     if not grace >= 0:  # also refuses NaN, which never reaches a deadline
         raise ValueError("--shutdown-grace-seconds must be >= 0")
-    launch, bundles = build_launch(raw_command)
+    launch, bundles, configurations = build_launch(raw_command)
     if dry_run:
         _dump(launch.dry_run_document(), sort_keys=False)
         return 0
@@ -438,8 +443,6 @@ def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
     evidence = launch_environment(
         [(b.bundle_id, b.manifest.extension_version, str(b.manifest_path)) for b in bundles]
     )
-    state = load_state()
-    configurations = {b.bundle_id: state.configuration(b.bundle_id) for b in bundles}
     directory = None
     try:
         native_env: dict[str, str] = {}
@@ -455,11 +458,16 @@ def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
 def _shutdown_hooks(
     bundles: Sequence[InstalledBundle], configurations: Mapping[str, Mapping[str, Any]]
 ) -> None:
-    """After the launch ended: each bundle's shutdown hook, its report on stderr."""
-    for bundle in bundles:
-        configuration = configurations[bundle.bundle_id]
-        for line in provider.bundle_shutdown(bundle.bundle_id, bundle.raw, configuration):
-            print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
+    """After the launch ended: each bundle's shutdown hook, its report on stderr.
+
+    Signals are ignored meanwhile: the launch is over and its status decided, so a late
+    Ctrl-C must neither interrupt a clean-up half way nor change the exit status.
+    """
+    with ignoring_signals():
+        for bundle in bundles:
+            configuration = configurations[bundle.bundle_id]
+            for line in provider.bundle_shutdown(bundle.bundle_id, bundle.raw, configuration):
+                print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
 
 
 # --- parser -------------------------------------------------------------------------

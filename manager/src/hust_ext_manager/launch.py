@@ -15,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -26,6 +26,7 @@ __all__ = [
     "NATIVE_ENVIRONMENT",
     "LaunchPlan",
     "group_members",
+    "ignoring_signals",
     "merge_additional_config",
     "merge_option",
     "supervise",
@@ -246,6 +247,17 @@ def supervise(command: Sequence[str], environment: Mapping[str, str], grace: flo
     if supervisor.first_signal is not None:
         return 128 + supervisor.first_signal
     return 128 - code if code < 0 else code
+
+
+@contextlib.contextmanager
+def ignoring_signals() -> Iterator[None]:
+    """Ignore the forwarded signals (SIGTERM, SIGINT, SIGHUP) inside the block."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _FORWARDED}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def remove_directory(directory: Path | None) -> None:
