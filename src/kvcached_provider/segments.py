@@ -136,16 +136,22 @@ class _Snapshot:
                       or any(f == prefix or f.startswith(prefix + "/") for f in p.paths))
 
 
+def _stat_field(entry: Path, index: int) -> int:
+    """Field ``index`` after the command name of ``<entry>/stat`` (1: ppid, 2: pgid); -1
+    if unreadable. The name may hold spaces or ')': the fields start after the last ')'."""
+    try:
+        stat_line = (entry / "stat").read_text(encoding="utf-8")
+        return int(stat_line[stat_line.rfind(")") + 2 :].split()[index])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def _ancestors() -> set[int]:
     """This process and its ancestors (init included): they launched or asked for the cleanup."""
     pids, pid = set(), os.getpid()
     while pid > 0 and pid not in pids:
         pids.add(pid)
-        try:
-            stat_line = (_PROC / str(pid) / "stat").read_text(encoding="utf-8")
-            pid = int(stat_line[stat_line.rfind(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+        pid = _stat_field(_PROC / str(pid), 1)
     return pids
 
 
@@ -189,14 +195,6 @@ def _open_paths(entry: Path) -> frozenset[str]:
     return frozenset(found)
 
 
-def _pgid(entry: Path) -> int:
-    try:
-        stat_line = (entry / "stat").read_text(encoding="utf-8")
-        return int(stat_line[stat_line.rfind(")") + 2 :].split()[2])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
 def _bound_sockets() -> frozenset[str]:
     """Paths of the Unix sockets some live process is bound to (``/proc/net/unix``).
 
@@ -219,7 +217,7 @@ def snapshot() -> _Snapshot:
                            "no segment can be shown unused; nothing removed") from exc
     skip = _ancestors()
     processes = tuple(
-        _Process(int(e.name), _pgid(e), _ipc_name(e), _open_paths(e))
+        _Process(int(e.name), _stat_field(e, 2), _ipc_name(e), _open_paths(e))
         for e in entries if int(e.name) not in skip
     )
     return _Snapshot(processes, _bound_sockets())
