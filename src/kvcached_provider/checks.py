@@ -37,6 +37,7 @@ from kvcached_provider import EXTENSION_ID, MIN_KVCACHED_VERSION
 __all__ = [
     "AUTOPATCH_PTH",
     "DEFAULT_IPC_NAME",
+    "GROUP_SUFFIX",
     "IPC_NAME_PATTERN",
     "KVCACHED_TESTED_VLLM_RANGE",
     "check",
@@ -64,6 +65,8 @@ DEFAULT_IPC_NAME = "vllm_hust_kvcached"
 # kvcached sanitises explicit names to this alphabet and length; we require it verbatim so
 # that ``kvctl`` and ``kvcached-provider`` can address the instance by the configured name.
 IPC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# kvcached names the record of KV group N > 0 of instance X ``X_gN``.
+GROUP_SUFFIX = re.compile(r"_g[0-9]+$")
 # Contract or protocol names by which a 0.2 manifest says it owns KV-cache allocation or
 # consumes KV-cache events (e.g. a custom ``vllm.kv-cache-allocator.v1``).
 _KV_OWNERSHIP = re.compile(
@@ -324,11 +327,11 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             f"not address the instance by it); set a valid one with {_CONFIGURE_HINT}"
         ))]
     lines: list[CheckLine] = [(True, f"KVCACHED_IPC_NAME is {name!r}")]
-    if re.search(r"_g[0-9]+$", name):
+    if GROUP_SUFFIX.search(name):
         lines.append((True, (
             f"KVCACHED_IPC_NAME {name!r} ends like a KV-group suffix: kvcached names group N "
             f"of instance X 'X_gN', so `kvcached-provider cleanup` of instance "
-            f"{re.sub(r'_g[0-9]+$', '', name)!r} would take this record for that instance's "
+            f"{GROUP_SUFFIX.sub('', name)!r} would take this record for that instance's "
             "wherever it cannot see this engine's processes (another PID namespace); prefer "
             f"a name without it ({_CONFIGURE_HINT})"
         )))

@@ -75,15 +75,17 @@ from typing import Any, Literal
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from kvcached_provider.checks import IPC_NAME_PATTERN, shm_dir
+from kvcached_provider.checks import GROUP_SUFFIX, IPC_NAME_PATTERN, shm_dir
 
 __all__ = [
     "ACCEPTED_STATES",
+    "RECORD_SIZE",
     "ControlRecord",
     "LimitError",
     "LimitResponder",
     "LimitResult",
     "apply_here",
+    "is_instance_record",
     "parse_size",
     "read_control_record",
     "set_limit",
@@ -95,6 +97,7 @@ __all__ = [
 LimitStatus = Literal["applied", "deferred", "stale", "conflict", "unavailable", "rejected"]
 ACCEPTED_STATES: frozenset[str] = frozenset({"applied", "deferred"})
 _RECORD = struct.Struct("=qqq")  # total_size, used_size, prealloc_size: native int64
+RECORD_SIZE = _RECORD.size
 _REQUEST_SCHEMA = "kvcached-provider.limit-request/1"
 _POLL_S = 0.05
 _MAX_LIMIT = (1 << 63) - 1  # the control record's total_size is an int64
@@ -276,14 +279,19 @@ def _instance_records(ipc: str, directory: Path | None = None) -> dict[str, Cont
     base = directory if directory is not None else shm_dir()
     names = [ipc]
     with contextlib.suppress(OSError):
-        names += sorted(p.name for p in base.glob(f"{ipc}_g*") if re.fullmatch(
-            re.escape(ipc) + r"_g\d+", p.name))
+        names += sorted(p.name for p in base.glob(f"{ipc}_g*") if is_instance_record(ipc, p.name))
     records = {}
     for name in names:
         record = read_control_record(name, base)
         if record is not None:
             records[name] = record
     return records
+
+
+def is_instance_record(ipc: str, name: str) -> bool:
+    """Whether ``name`` is a record of instance ``ipc``: ``<ipc>`` or ``<ipc>_g<N>``."""
+    return name == ipc or (name.startswith(ipc) and GROUP_SUFFIX.fullmatch(name[len(ipc) :])
+                           is not None)
 
 
 def _record_name(ipc: str, group_id: int) -> str:

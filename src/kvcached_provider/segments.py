@@ -35,13 +35,18 @@ from __future__ import annotations
 import os
 import re
 import stat
-import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_provider.checks import IPC_NAME_PATTERN, planned_environment, shm_dir
+from kvcached_provider.checks import GROUP_SUFFIX, IPC_NAME_PATTERN, planned_environment, shm_dir
+from kvcached_provider.limit import (
+    RECORD_SIZE,
+    LimitError,
+    is_instance_record,
+    read_control_record,
+)
 
 __all__ = [
     "RECORD_SIZE",
@@ -53,8 +58,6 @@ __all__ = [
     "tp_socket_dir",
 ]
 
-RECORD_SIZE = 24  # three native int64: total_size, used_size, prealloc_size
-_GROUP_SUFFIX = re.compile(r"_g[0-9]+$")
 # kvcached's own name when KVCACHED_IPC_NAME is unset: kvcached_<engine>_<pgid>[_<i>].
 _DEFAULT_NAME = re.compile(r"kvcached_[A-Za-z]+_([0-9]+)(?:_[0-9]+)?")
 _PROC = Path("/proc")
@@ -98,8 +101,8 @@ def tp_socket_dir(ipc: str, tmp: Path | None = None) -> Path:
 def _instance_of(record_name: str) -> set[str]:
     """Instance names a record can belong to: ``a_g2`` is group 2 of ``a``, or ``a_g2``."""
     names = {record_name}
-    if _GROUP_SUFFIX.search(record_name):
-        names.add(_GROUP_SUFFIX.sub("", record_name))
+    if GROUP_SUFFIX.search(record_name):
+        names.add(GROUP_SUFFIX.sub("", record_name))
     return names
 
 
@@ -224,14 +227,14 @@ def snapshot() -> _Snapshot:
 
 
 def _is_record(path: Path) -> bool:
-    """A file kvctl would list: 24 bytes whose ``total_size`` (first int64) is positive."""
-    try:
-        if not stat.S_ISREG(path.lstat().st_mode) or path.stat().st_size != RECORD_SIZE:
-            return False
-        with path.open("rb") as handle:
-            return bool(struct.unpack("=q", handle.read(8))[0] > 0)
-    except (OSError, struct.error):
+    """A file kvctl would list: a control record whose ``total_size`` is positive."""
+    if path.is_symlink():
         return False
+    try:
+        record = read_control_record(path.name, path.parent)
+    except LimitError:  # not a regular file of RECORD_SIZE bytes, or unreadable
+        return False
+    return record is not None and record.total_size > 0
 
 
 def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
@@ -245,7 +248,7 @@ def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
     other: list[Path] = []
     for path in entries:
         name = path.name
-        if name == ipc or (name.startswith(ipc) and _GROUP_SUFFIX.fullmatch(name[len(ipc) :])):
+        if is_instance_record(ipc, name):
             own.append(path)
         elif _is_record(path):
             other.append(path)
