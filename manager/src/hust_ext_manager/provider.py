@@ -279,6 +279,11 @@ def service_health(
     return reachable, healthy, evidence, unhealthy
 
 
+def _one_line(error: Exception) -> str:
+    """A bundle hook's exception as one line (its type name when it has no message)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _takes_context(function: Any) -> bool:
     try:
         return "context" in inspect.signature(function).parameters
@@ -308,8 +313,7 @@ def bundle_checks(
             for ok, line in function(dict(manifest_raw), dict(configuration), **extra):
                 results.append((bool(ok), str(line)))
         except Exception as error:  # a broken check is a failed check, never a crash
-            text = " ".join(str(error).split()) or type(error).__name__
-            results.append((False, f"bundle check failed: {text}"))
+            results.append((False, f"bundle check failed: {_one_line(error)}"))
     return results
 
 
@@ -318,8 +322,9 @@ def bundle_shutdown(
 ) -> list[str]:
     """Run the bundle's ``vllm_hust_ext.bundle_shutdown`` hook after a launch ended.
 
-    The hook gets ``(manifest, configuration)`` once the launched process group is gone and
-    returns report lines (what it cleaned up, what it left and why). It can never change
+    The hook gets ``(manifest, configuration)`` once the launch has ended (after the
+    manager's clean-up of the process group, or a command that could not start) and returns
+    report lines (what it cleaned up, what it left and why). It can never change
     ``run``'s exit status: a raising hook is one more line.
     """
     lines: list[str] = []
@@ -328,8 +333,7 @@ def bundle_shutdown(
             function = registration.load()
             lines.extend(str(line) for line in function(dict(manifest_raw), dict(configuration)))
         except Exception as error:
-            text = " ".join(str(error).split()) or type(error).__name__
-            lines.append(f"bundle shutdown hook failed: {text}")
+            lines.append(f"bundle shutdown hook failed: {_one_line(error)}")
     return lines
 
 
