@@ -199,12 +199,8 @@ def _no_pressure(traces: Path, cell: Cell, out: Path) -> dict[str, Any]:
         at = knobs.index("--num-gpu-blocks")
         del knobs[at:at + 2]
     argv = ["--trace", str(traces / cell.trace), *knobs, "--num-gpu-blocks",
-            str(NO_PRESSURE_BLOCKS), "--policies", BUILTIN, "--no-progress", "--no-plots",
-            "--output-dir", str(out)]
-    if replay_main(argv) != 0:
-        raise SystemExit(f"run.py: no-pressure replay failed for {cell.name}")
-    arm: dict[str, Any] = json.loads((out / "report.json").read_text())["arms"][0]
-    return arm
+            str(NO_PRESSURE_BLOCKS), "--policies", BUILTIN]
+    return replay_arms(argv, out, f"the no-pressure run of {cell.name}")[BUILTIN]
 
 
 def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> str:
