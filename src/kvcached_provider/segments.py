@@ -54,7 +54,6 @@ __all__ = [
     "CleanupReport",
     "cleanup",
     "on_shutdown",
-    "snapshot",
     "tp_socket_dir",
 ]
 
@@ -211,7 +210,7 @@ def _bound_sockets() -> frozenset[str]:
                      if len(parts := line.split(maxsplit=7)) == 8)
 
 
-def snapshot() -> _Snapshot:
+def _snapshot() -> _Snapshot:
     """Read ``/proc`` once; raises :class:`CleanupError` when it cannot be listed."""
     try:
         entries = [e for e in _PROC.iterdir() if e.name.isdigit()]
@@ -317,7 +316,7 @@ def cleanup(
     sockets = tp_socket_dir(ipc, tmp)
     if sockets.exists() or sockets.is_symlink():
         own.append(sockets)
-    live = snapshot()
+    live = _snapshot()
     removed: list[str] = []
     kept: list[tuple[str, str]] = []
     for path in own:
