@@ -75,14 +75,13 @@ def socket_dir(ipc: str, tmp: Path | None = None) -> Path:
     return directory
 
 
-def sleeper(env: dict[str, str], *, hold: Path | None = None) -> subprocess.Popen[bytes]:
-    """A live process with ``env`` (and ``hold`` open), ready when it prints."""
-    code = "import sys, time\n"
-    if hold is not None:
-        code += f"f = open({str(hold)!r}, 'rb')\n"
-    code += "print('ready', flush=True)\ntime.sleep(60)\n"
+def sleeper(env: dict[str, str], *, setup: str = "",
+            new_session: bool = False) -> subprocess.Popen[bytes]:
+    """A live process with ``env`` that ran ``setup`` (Python), ready when it prints; with
+    ``new_session`` it leads its own process group (pgid == pid)."""
+    code = f"import time\n{setup}\nprint('ready', flush=True)\ntime.sleep(60)\n"
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
-                             stdout=subprocess.PIPE)
+                             stdout=subprocess.PIPE, start_new_session=new_session)
     assert child.stdout is not None and child.stdout.readline() == b"ready\n"
     return child
 
@@ -139,7 +138,7 @@ def test_a_live_engine_keeps_its_records(shm: Path, tmp: Path, ipc: str) -> None
 
 def test_a_process_holding_the_record_open_keeps_it(shm: Path, ipc: str) -> None:
     path = record(shm, ipc)
-    holder = sleeper({}, hold=path)  # no kvcached variables: found through its open fd
+    holder = sleeper({}, setup=f"f = open({str(path)!r}, 'rb')")  # found through its fd
     try:
         report = segments.cleanup(ipc)
         assert report.kept == ((str(path), f"in use by pid {holder.pid}"),)
@@ -169,10 +168,7 @@ def test_the_name_is_compared_as_kvcached_sanitises_it(shm: Path, ipc: str) -> N
 
 def test_a_default_name_belongs_to_its_process_group(shm: Path) -> None:
     """Without KVCACHED_IPC_NAME kvcached names the instance kvcached_<engine>_<pgid>."""
-    engine = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); "
-                               "import time; time.sleep(60)"], stdout=subprocess.PIPE,
-                              start_new_session=True)  # its own group: pgid == pid
-    assert engine.stdout is not None and engine.stdout.readline() == b"ready\n"
+    engine = sleeper({}, new_session=True)  # no KVCACHED_IPC_NAME; its group is its pid
     names = [f"kvcached_vLLM_{engine.pid}", f"kvcached_vLLM_{engine.pid}_1_g2"]
     paths = [record(shm, n) for n in names]
     try:
@@ -187,11 +183,8 @@ def test_a_bound_socket_keeps_the_socket_dir(shm: Path, tmp: Path, ipc: str) -> 
     # A socket fd reads as "socket:[inode]": a listening worker is seen in /proc/net/unix.
     directory = segments.tp_socket_dir(ipc, tmp)
     directory.mkdir()
-    code = ("import socket, time\ns = socket.socket(socket.AF_UNIX)\n"
-            f"s.bind({str(directory / 'w0.sock')!r}); s.listen()\n"
-            "print('ready', flush=True)\ntime.sleep(60)\n")
-    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+    worker = sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                     f"s.bind({str(directory / 'w0.sock')!r}); s.listen()")
     try:
         assert segments.cleanup(ipc, tmp=tmp).kept == (
             (str(directory), f"a live process is bound to {directory / 'w0.sock'}"),)

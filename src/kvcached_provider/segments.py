@@ -26,8 +26,9 @@ be inspected without privileges, but neither can their files in the sticky ``/de
 be removed by us: such a record is kept as "could not be removed".
 
 The extension manager calls :func:`on_shutdown` through the ``vllm_hust_ext.bundle_shutdown``
-entry point once the launched process group is gone; ``kvcached-provider cleanup --ipc
-NAME`` does the same by hand.
+entry point once the launch has ended (after it cleaned up the process group; whatever
+survives it still counts as a user here); ``kvcached-provider cleanup --ipc NAME`` does the
+same by hand.
 """
 
 from __future__ import annotations
