@@ -6,7 +6,8 @@ RECORD) for ``kvcached``, ``torch`` and ``vllm`` are put first on ``sys.path``, 
 exactly what ``importlib.metadata`` reads; no kvcached module is imported or faked. The
 torch subprocess probe is replaced by a stub where a test needs one. Guarded: each failure
 names what is missing and how to fix it; successes are reported; ``check()`` imports neither
-kvcached, torch nor vLLM; one failing probe cannot hide the others.
+kvcached, torch nor vLLM; one failing probe cannot hide the others; the KV-events check
+reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -345,6 +347,75 @@ def test_kv_events_on_the_command_line(command: list[str], refused: bool) -> Non
     if refused:
         assert lines[0][0] is False and "publishes none" in lines[0][1]
     assert checks.check_kv_events(None) == []  # status: no command to judge
+
+
+_NESTED_ON = "kv-events-config:\n  enable_kv_cache_events: true\nmax-num-seqs: 8\n"
+
+
+@pytest.mark.parametrize(("config", "tail", "refused"), [
+    (_NESTED_ON, [], True),
+    (_NESTED_ON.replace("kv-events-config", "kv_events_config"), [], True),
+    ("kv-events-config: '{\"enable_kv_cache_events\": \"yes\"}'\n", [], True),
+    # The command line comes after the file's options, so it overrides them ...
+    (_NESTED_ON, ["--kv-events-config", '{"enable_kv_cache_events": false}'], False),
+    ("kv-events-config:\n  enable_kv_cache_events: false\n",
+     ["--kv-events-config.enable_kv_cache_events", "true"], True),
+    # ... and any dotted field replaces the whole JSON value, wherever that came from.
+    (_NESTED_ON, ["--kv-events-config.publisher", "zmq"], False),
+    (None, ["--kv-events-config", '{"enable_kv_cache_events": true}',
+            "--kv-events-config.publisher", "zmq"], False),
+    (None, ["--kv-events-config", '{"enable_kv_cache_events": true}',
+            "--kv-events-config", "{}"], False),
+    (None, ["--kv_events_config.enable_kv_cache_events", "on"], True),
+    ("max-num-seqs: 8\n", [], False),
+])
+def test_kv_events_read_as_vllms_own_parser_reads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    config: str | None, tail: list[str], refused: bool,
+) -> None:
+    """vLLM 0.33.0's real argument parser (``FlexibleArgumentParser`` with the engine's
+    options and ``--config``, as ``vllm serve`` builds it) is the oracle: the check refuses
+    exactly the commands after which vLLM's ``kv_events_config.enable_kv_cache_events`` is
+    on, including options read from a ``--config`` YAML file."""
+    monkeypatch.chdir(tmp_path)
+    args = list(tail)
+    if config is not None:
+        Path("serve.yaml").write_text(config, encoding="utf-8")
+        args = ["--config", "serve.yaml", *args]
+    parsed = _vllm_parser().parse_args(args).kv_events_config
+    assert bool(parsed is not None and parsed.enable_kv_cache_events) is refused
+    assert bool(checks.check_kv_events(["vllm", "serve", "m", *args])) is refused
+
+
+@pytest.mark.parametrize("args", [
+    ["--config=serve.yaml"],  # vLLM expands only the separate ``--config FILE`` pair
+    ["--config", "serve.yml.txt"],  # vLLM refuses a file that is not .yaml/.yml
+    ["--config", "missing.yaml"],  # ... or that it cannot read: the launch fails anyway
+    ["--config", "list.yaml"],  # a YAML list is no set of options
+])
+def test_config_files_vllm_does_not_read_enable_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("serve.yaml", "serve.yml.txt"):
+        Path(name).write_text(_NESTED_ON, encoding="utf-8")
+    Path("list.yaml").write_text("- kv-events-config\n", encoding="utf-8")
+    assert checks.check_kv_events(["vllm", "serve", "m", *args]) == []
+
+
+def _vllm_parser() -> Any:
+    global _PARSER
+    if _PARSER is None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        _PARSER = FlexibleArgumentParser()
+        _PARSER.add_argument("--config", type=str)
+        EngineArgs.add_cli_args(_PARSER)
+    return _PARSER
+
+
+_PARSER: Any = None
 
 
 def test_check_reads_the_managers_context() -> None:

@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -417,26 +418,73 @@ def _truthy(value: object) -> bool:
     return value is True or (type(value) is int and value == 1)
 
 
+def _config_file_options(command: Sequence[str]) -> list[str]:
+    """The options vLLM 0.33.0 reads from ``--config FILE``, flattened as it flattens them.
+
+    vLLM expands only the exact ``--config FILE`` pair, and only for a ``.yaml``/``.yml`` file
+    holding a mapping: ``key: true`` becomes ``--key``, a list ``--key item...``, a mapping
+    ``--key <its JSON>``, anything else ``--key <str(value)>``. A file vLLM would refuse
+    (missing, unreadable, another suffix, not a mapping) gives nothing: that launch fails
+    before kvcached matters.
+    """
+    args = list(command)
+    if "--config" not in args or args.index("--config") + 1 >= len(args):
+        return []
+    path = args[args.index("--config") + 1]
+    if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
+        return []
+    try:
+        with open(path, encoding="utf-8") as stream:
+            loaded = yaml.safe_load(stream)
+        if not isinstance(loaded, dict):
+            return []
+        options: list[str] = []
+        for key, value in loaded.items():
+            flag = f"--{key}"
+            if isinstance(value, bool):
+                options += [flag] if value else []
+            elif isinstance(value, list):
+                options += [flag, *map(str, value)] if value else []
+            elif isinstance(value, dict):
+                options += [flag, json.dumps(value)]
+            else:
+                options += [flag, str(value)]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, ValueError):
+        return []
+    return options
+
+
 def _kv_events_requested(command: Sequence[str]) -> bool:
-    """Whether ``command`` turns on vLLM's KV-cache events (``--kv-events-config``)."""
-    for index, arg in enumerate(command):
+    """Whether vLLM, launched with ``command``, ends up with ``enable_kv_cache_events`` on.
+
+    Read as vLLM 0.33.0's parser reads it: the ``--config`` file's options come before the
+    command line's, so the command line overrides them; the last whole
+    ``--kv-events-config <JSON>`` wins, but any dotted ``--kv-events-config.<field>`` replaces
+    it (vLLM gathers the dotted fields into one JSON value and adds it after all others).
+    """
+    args = [*_config_file_options(command), *command]
+    whole = False
+    dotted: bool | None = None
+    for index, arg in enumerate(args):
         option, inline = _option_name(arg)
-        if option not in (_KV_EVENTS_OPTION, _KV_EVENTS_FLAG):
+        if option != _KV_EVENTS_OPTION and not option.startswith(_KV_EVENTS_OPTION + "."):
             continue
-        following = command[index + 1] if index + 1 < len(command) else None
+        following = args[index + 1] if index + 1 < len(args) else None
         value = inline if inline is not None else following
-        if option == _KV_EVENTS_FLAG:
-            # vLLM's dotted form sets one field; with no value it reads as a bare flag.
-            if value is None or value.startswith("-") or _truthy(value):
-                return True
+        if option != _KV_EVENTS_OPTION:
+            if option == _KV_EVENTS_FLAG:
+                # With no value it reads as a bare flag: refuse what the user evidently meant.
+                dotted = value is None or value.startswith("-") or _truthy(value)
+            elif dotted is None:
+                dotted = False  # another field alone: the dotted value leaves events off
             continue
         try:
             parsed = json.loads(value or "")
         except ValueError:
             continue  # vLLM itself rejects a malformed value
-        if isinstance(parsed, dict) and _truthy(parsed.get("enable_kv_cache_events")):
-            return True
-    return False
+        if isinstance(parsed, dict):
+            whole = _truthy(parsed.get("enable_kv_cache_events"))
+    return whole if dotted is None else dotted
 
 
 def check_kv_events(command: Sequence[str] | None) -> list[CheckLine]:
@@ -445,7 +493,8 @@ def check_kv_events(command: Sequence[str] | None) -> list[CheckLine]:
         return []
     return [(False, (
         f"the command enables KV-cache events ({_KV_EVENTS_OPTION} with "
-        "enable_kv_cache_events), but kvcached's block pool publishes none, so subscribers "
+        "enable_kv_cache_events, on its command line or in its --config file), but "
+        "kvcached's block pool publishes none, so subscribers "
         "would silently receive nothing: drop the option or disable "
         f"{EXTENSION_ID}"
     ))]
