@@ -98,6 +98,9 @@ def test_invalid_additional_config_names_the_key() -> None:
         BidKVConfig.from_sources({"bidkv": {"nope": 1}}, {})
     with pytest.raises(ConfigError, match="must be a JSON object"):
         BidKVConfig.from_sources({"bidkv": [1]}, {})
+    # A Python dict (LLM(additional_config=...)) may carry a key JSON never could.
+    with pytest.raises(ConfigError, match=r"additional_config\['bidkv'\]\[1\] is not a BidKV"):
+        BidKVConfig.from_sources({"bidkv": {1: 2}}, {})
 
 
 def test_reference_top_level_keys_are_read_or_refused() -> None:

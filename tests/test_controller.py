@@ -78,7 +78,25 @@ def test_selection_and_abstention_counters() -> None:
     assert s["policy_name"] == f"{Fixed.__module__}.{Fixed.__qualname__}"
 
 
-@pytest.mark.parametrize("answer", ["zzz", 7, ["a"], {"a": 1}, b"a", None.__class__])
+class RaisingEq(str):
+    """A str whose comparison raises: the policy's code, run by the controller's check."""
+
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+
+class RaisingClass:
+    """An object that makes ``isinstance`` itself raise."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise RuntimeError("class")
+
+
+@pytest.mark.parametrize("answer", ["zzz", 7, ["a"], {"a": 1}, b"a", None.__class__,
+                                    RaisingEq("a")])
 def test_invalid_answer_disables_for_good(answer: object, caplog: pytest.LogCaptureFixture) -> None:
     policy = Fixed(answer)
     controller = PolicyController(policy)
@@ -94,6 +112,26 @@ def test_invalid_answer_disables_for_good(answer: object, caplog: pytest.LogCapt
     assert len(errors) == 1
     assert "returned unknown request ID" in errors[0].getMessage()
     assert "restoring the built-in policy for this engine process" in errors[0].getMessage()
+
+
+def test_an_answer_that_makes_isinstance_raise_is_invalid() -> None:
+    controller = PolicyController(Fixed(RaisingClass()))
+    assert controller.select_victim(three()) == "c"
+    s = controller.export_stats()
+    assert (s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, False)
+
+
+class HintedFixed(Fixed):
+    victim_index_hint = 0
+
+
+def test_a_raising_answer_on_the_hinted_route_never_escapes() -> None:
+    """The hint's one comparison runs the answer's code too (preemption-contract.md §5:
+    select_victim never raises for a policy's answer)."""
+    controller = PolicyController(HintedFixed(RaisingEq("a")))
+    assert controller.select_victim(three()) == "c"
+    s = controller.export_stats()
+    assert (s["failures"], s["invalid_selections"], s["enabled"]) == (1, 1, False)
 
 
 def test_returns_the_candidates_own_id_object() -> None:

@@ -109,6 +109,8 @@ def test_any_accepted_configuration_keeps_the_policy_in_charge(
     st.sampled_from([0.0, 16.0, 64.0]),
     st.integers(0, 299),
     st.one_of(st.none(), st.integers(0, 299)),
+    # A tiny slope puts the cut's limit beyond any token count (1e-18: past 2**62).
+    st.sampled_from([1.0, 1e-3, 1e-18]),
 )
 def test_bounded_argmax_picks_what_scoring_everyone_picks(
     cands: list[PreemptionCandidate],
@@ -119,6 +121,7 @@ def test_bounded_argmax_picks_what_scoring_everyone_picks(
     base: float,
     requester: int,
     builtin: int | None,
+    recompute: float,
 ) -> None:
     """The array fast path (sufficiency filter, anchors, bound-and-cut; from 48 candidates)
     picks exactly the candidate that scoring everyone in Python picks, ties included:
@@ -127,6 +130,7 @@ def test_bounded_argmax_picks_what_scoring_everyone_picks(
     strategy = UtilityStrategy(UtilityParams.from_config(BidKVConfig(
         prefix_caching=prefix, cache_survival=survival, preempt_weight=weight,
         completion_weight=completion, base_cost=base, cascade_gain_ratio=1.0,
+        recompute_weight=recompute,
     )))
     # Unique ids so that "which candidate" is well defined.
     cands = [PreemptionCandidate(str(i), *(getattr(c, f) for f in c.__slots__[1:]))
@@ -148,6 +152,20 @@ def test_bounded_argmax_picks_what_scoring_everyone_picks(
     expected = host if host in winners else winners[-1]
     assert chosen is not None and chosen.request_id == expected
     assert context.candidates[strategy.last_index] is chosen
+
+
+def test_a_tiny_recompute_slope_never_lets_an_insufficient_candidate_win() -> None:
+    """With 48+ candidates, those that cannot free a prefilling requester's shortfall alone
+    are marked out of the ranked set; a recompute weight the config accepts (1e-18) must not
+    lift the cut's limit past that mark and let one of them in."""
+    strategy = UtilityStrategy(UtilityParams.from_config(BidKVConfig(
+        recompute_weight=1e-18, completion_weight=8.0, cascade_gain_ratio=1.0)))
+    asker = PreemptionCandidate("asker", 0, 0.0, 64, 0, 0, 0, 100)  # needs 4 blocks
+    big = [PreemptionCandidate(f"big{i}", 0, 1.0, 80, 10, 80, 0, 10) for i in range(3)]
+    small = [PreemptionCandidate(f"small{i}", 0, 2.0, 16, 1, 16, 0, 10**6) for i in range(60)]
+    cands = (asker, *big, *small)
+    chosen = strategy.choose(cands, PreemptionContext(cands, "fcfs", "asker", 0.9, 1.0), None)
+    assert chosen is not None and chosen.request_id.startswith("big")
 
 
 @settings(max_examples=80, deadline=None)

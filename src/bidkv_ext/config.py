@@ -148,6 +148,12 @@ class BidKVConfig(BaseModel):
                     f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a JSON object"
                 )
             for key, value in section.items():
+                if not isinstance(key, str):
+                    accepted = ", ".join(sorted(cls.model_fields))
+                    raise ConfigError(
+                        f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}] is not a BidKV "
+                        f"setting (keys are setting names); accepted: {accepted}"
+                    )
                 values[key] = value
                 origin[key] = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]"
         values.update(overrides)

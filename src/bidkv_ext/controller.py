@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bidkv_ext.contract import (
+    PreemptionCandidate,
     PreemptionContext,
     PreemptionContextFacts,
     PreemptionPolicy,
@@ -102,6 +103,26 @@ def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPo
     if not isinstance(result, PreemptionPolicy):
         raise TypeError(_NOT_A_POLICY)
     return result
+
+
+def _named_candidate(
+    candidates: Sequence[PreemptionCandidate], result: object, hint: object
+) -> str | None:
+    """The candidate's own id object that ``result`` names, or None.
+
+    Any str names a candidate (a str subclass such as numpy.str_ included); the candidate's
+    own object is returned, never the policy's. The caller runs this inside a ``try``: the
+    comparisons run the result's code too.
+    """
+    if not isinstance(result, str):
+        return None
+    # A cooperative policy says where its victim sits; one comparison proves it.
+    if type(hint) is int and 0 <= hint < len(candidates):
+        found = candidates[hint].request_id
+        if found == result:
+            return found
+    index = candidate_index(candidates, result)
+    return candidates[index].request_id if index >= 0 else None
 
 
 class PolicyController:
@@ -217,24 +238,16 @@ class PolicyController:
             if self._observer is not None:
                 self._observe("invoked", "abstained")
             return builtin_victim_id(context)
-        # Any str names a candidate (a str subclass such as numpy.str_ included); the
-        # candidate's own id object is returned, never the policy's.
-        if isinstance(result, str):
-            candidates = context.candidates
-            # A cooperative policy says where its victim sits; one comparison proves it.
-            if type(hint) is int and 0 <= hint < len(candidates):
-                found = candidates[hint].request_id
-                if found == result:
-                    stats.selections += 1
-                    if self._observer is not None:
-                        self._observe("invoked", "selected")
-                    return found
-            index = candidate_index(candidates, result)
-            if index >= 0:
-                stats.selections += 1
-                if self._observer is not None:
-                    self._observe("invoked", "selected")
-                return candidates[index].request_id
+        try:
+            found = _named_candidate(context.candidates, result, hint)
+        except Exception:
+            # The result's own code raised (a str subclass's __eq__, say): it names nothing.
+            found = None
+        if found is not None:
+            stats.selections += 1
+            if self._observer is not None:
+                self._observe("invoked", "selected")
+            return found
         stats.invalid_selections += 1
         self._disable(f"returned unknown request ID {_safe_repr(result)}")
         if self._observer is not None:

@@ -51,7 +51,6 @@ is identical to scoring everyone (a property test checks it).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
@@ -83,6 +82,9 @@ _PRUNE_FROM = 48
 # A window larger than this after the first cut gets a second, sharper anchor.
 _REFINE_ABOVE = 16
 _NEVER = 1 << 62
+# More tokens than any request holds, yet below _NEVER: the cut's limit never exceeds it,
+# so candidates outside the ranked set stay out however small the recompute slope.
+_BEYOND_ANY = float(_NEVER >> 1)
 # Computed counts are integers: half a token of slack on each bound absorbs float rounding
 # (the anchor that set a bound must stay inside it); what else it admits cannot win and
 # only costs its scoring.
@@ -354,9 +356,9 @@ class UtilityStrategy:
     def _limit(self, need: int, u0: float) -> float:
         # U_i <= need / (base + slope * computed_i): only computed_i <= limit can reach u0.
         if u0 <= 0.0:
-            return math.inf  # every candidate can tie a zero utility
+            return _BEYOND_ANY  # every ranked candidate can tie a zero utility
         p = self.params
-        return (need / u0 - p.epsilon - p.base_cost) / self._lost_slope
+        return min((need / u0 - p.epsilon - p.base_cost) / self._lost_slope, _BEYOND_ANY)
 
     def _cascade_guard(
         self,
