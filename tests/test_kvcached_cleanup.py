@@ -5,7 +5,8 @@ Guards kvcached-notes.md §7 check 9: the instance's control records (``<ipc>``,
 directory still used by a live process (its environment names the instance with kvcached
 enabled, or it holds the file open) is kept and the pid named; other instances' records are
 reported as possibly stale and never touched; a socket directory holding anything but
-sockets is kept. Everything here is real: files in a temporary ``/dev/shm`` stand-in, real
+sockets is kept, and so is anything under the instance's names that is not what kvcached
+leaves there. Everything here is real: files in a temporary ``/dev/shm`` stand-in, real
 Unix sockets, real processes found through ``/proc``, the real ``kvcached-provider`` console
 script. No kvcached module is involved (the cleanup never imports it).
 """
@@ -246,6 +247,30 @@ def test_a_socket_dir_with_other_files_is_kept(shm: Path, tmp: Path, ipc: str) -
     assert report.kept == ((str(sockets), f"holds {sockets / 'notes.txt'}, which is not a "
                                           "socket; remove it by hand if it is stale"),)
     assert (sockets / "w0.sock").exists()
+
+
+def test_only_what_kvcached_leaves_is_removed(shm: Path, tmp: Path, ipc: str) -> None:
+    """A name alone proves nothing (kvcached-notes.md §7: never delete blindly): a record
+    must be a regular 24-byte file and the socket directory a real directory."""
+    (shm / ipc).mkdir()
+    (shm / ipc / "data").write_text("x")
+    (shm / f"{ipc}_g1").mkdir()
+    (shm / f"{ipc}_g2").write_bytes(os.urandom(4096))
+    (shm / f"{ipc}_g3").symlink_to(record(shm, "elsewhere"))
+    leaked = record(shm, f"{ipc}_g4")
+    segments.tp_socket_dir(ipc, tmp).write_text("a file, not kvcached's directory")
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert report.removed == (str(leaked),)
+    kept = dict(report.kept)
+    assert kept[str(shm / ipc)].startswith("not a kvcached control record (not a regular")
+    assert kept[str(shm / f"{ipc}_g1")].startswith("not a kvcached control record (not a")
+    assert kept[str(shm / f"{ipc}_g2")].startswith(
+        "not a kvcached control record (4096 bytes, not 24)")
+    assert kept[str(shm / f"{ipc}_g3")].startswith("a symbolic link, not kvcached's")
+    assert kept[str(segments.tp_socket_dir(ipc, tmp))].startswith("not a directory")
+    assert all(why.endswith("remove it by hand if it is stale") for why in kept.values())
+    assert (shm / ipc / "data").exists() and (shm / f"{ipc}_g2").exists()
+    assert (shm / "elsewhere").exists() and segments.tp_socket_dir(ipc, tmp).exists()
 
 
 def test_bad_name_is_refused(shm: Path) -> None:

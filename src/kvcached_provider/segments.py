@@ -16,7 +16,9 @@ the paths open or mapped; a socket directory is also in use while some process i
 to a socket in it (``/proc/net/unix``: a socket fd does not show its path). This process
 and its ancestors (the shell, the manager, init) are never counted.
 
-Only the instance's own paths are removed, and only when nothing uses them. Any other
+Only the instance's own paths are removed, only when they are what kvcached leaves there (a
+regular file of ``RECORD_SIZE`` bytes; a real directory holding only sockets: a name alone
+proves nothing), and only when nothing uses them. Any other
 kvcached record in ``/dev/shm`` is reported as possibly stale and left alone. Limits: a
 process in another PID namespace that shares ``/dev/shm`` (``--ipc=host``) is invisible
 here, so such deployments should run the cleanup where the engines run; and ``<ipc>_g<N>``
@@ -281,18 +283,43 @@ def _in_use(users: list[int]) -> str:
     return f"in use by pid {', '.join(map(str, users))}"
 
 
-def _remove(path: Path, owner: str, live: _Snapshot, dry_run: bool) -> str | None:
+def _not_kvcacheds(path: Path, socket_dir: bool) -> str | None:
+    """Why ``path`` is not what kvcached leaves there, so not ours to remove; None if it is.
+
+    A name alone proves nothing (kvcached-notes.md §7: unknown segments are never deleted
+    blindly): a record must be a regular file of ``RECORD_SIZE`` bytes, the socket
+    directory a real directory holding only sockets.
+    """
+    hint = "; remove it by hand if it is stale"
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return f"a symbolic link, not kvcached's{hint}"
+    if socket_dir:
+        if not stat.S_ISDIR(info.st_mode):
+            return f"not a directory, so not kvcached's socket directory{hint}"
+        return _socket_dir_refusal(path)
+    if not stat.S_ISREG(info.st_mode):
+        return f"not a kvcached control record (not a regular file){hint}"
+    if info.st_size != RECORD_SIZE:
+        return (f"not a kvcached control record ({info.st_size} bytes, not {RECORD_SIZE})"
+                f"{hint}")
+    return None
+
+
+def _remove(
+    path: Path, owner: str, live: _Snapshot, dry_run: bool, socket_dir: bool
+) -> str | None:
     """Remove one of instance ``owner``'s paths; why it stays, or None once it is gone."""
     users = live.users(owner, path)
     if users:
         return _in_use(users)
-    if path.is_dir() and not path.is_symlink():
+    refusal = _not_kvcacheds(path, socket_dir)
+    if refusal is not None:
+        return refusal
+    if socket_dir:
         bound = sorted(s for s in live.bound_sockets if s.startswith(f"{path}/"))
         if bound:
             return f"a live process is bound to {bound[0]}"
-        refusal = _socket_dir_refusal(path)
-        if refusal is not None:
-            return refusal
         if not dry_run:
             _remove_tree(path)
         return None
@@ -322,9 +349,9 @@ def cleanup(
     kept: list[tuple[str, str]] = []
     for path in own:
         # A record is named after its instance (and group); the socket directory is not.
-        owner = ipc if path == sockets else path.name
+        socket_dir = path == sockets
         try:
-            why = _remove(path, owner, live, dry_run)
+            why = _remove(path, ipc if socket_dir else path.name, live, dry_run, socket_dir)
         except OSError as exc:
             why = f"could not be removed ({exc.strerror or exc})"
         if why is None:
