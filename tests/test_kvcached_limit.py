@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -283,12 +285,12 @@ def _cli_within(seconds: float, *argv: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999", "1e308", "3601"])
 def test_timeout_must_be_finite(dirs: tuple[Path, Path], value: str) -> None:
-    """--timeout nan used to wait forever and inf never timed out: both are bad input now."""
+    """--timeout nan used to wait forever, and inf or 1e308 never timed out: bad input now."""
     code, err = _cli_within(10, "--ipc", IPC, f"--timeout={value}", "1G")
     assert code == 2
-    assert "is invalid: expected a finite positive number of seconds" in err
+    assert "is invalid: expected seconds in (0, 3600]" in err
     assert err.count("\n") == 1
     assert not (dirs[0] / "instances.json").exists()  # refused before reserving a revision
 
@@ -307,7 +309,28 @@ def test_set_limit_refuses_nan_timeout(dirs: tuple[Path, Path]) -> None:
     worker.start()
     worker.join(timeout=5)
     assert not worker.is_alive(), "set_limit(timeout_s=nan) is still waiting"
-    assert errors and "expected a finite positive number" in str(errors[0])
+    assert errors and "expected seconds in (0, 3600]" in str(errors[0])
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_limit_withdraws_its_request(
+    dirs: tuple[Path, Path], signum: int, status: int
+) -> None:
+    """Ctrl-C or SIGTERM while the command waits for the engine withdraws the request, so
+    an abandoned limit never applies when an engine of the instance next serves the
+    mailbox; the command says so in one line and exits 128 + the signal."""
+    box = dirs[0] / "mailbox" / IPC
+    proc = _cli({}, "--ipc", IPC, "--timeout", "60", "1G")
+    deadline = time.monotonic() + 30
+    while not (box / "req-1.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == status, err
+    assert err == ("kvcached-provider: interrupted while waiting for the engine; the request "
+                   "was withdrawn and nothing was applied\n")
+    assert list(box.iterdir()) == []
 
 
 def test_oversized_limit_is_refused(dirs: tuple[Path, Path],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 from kvcached_provider import EXTENSION_ID
 from kvcached_provider.limit import (
     LimitError,
+    LimitInterrupted,
     LimitResult,
     parse_size,
     set_limit,
@@ -121,16 +123,35 @@ def _cleanup(args: argparse.Namespace) -> int:
 _COMMANDS = {"limit": _limit, "check": _check, "cleanup": _cleanup}
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it unwinds as on Ctrl-C: a limit
+    request still waiting for the engine is withdrawn rather than left to apply later."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _interrupted_status(interrupt: BaseException | None) -> int:
+    return 128 + (signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _COMMANDS[args.command](args)
+    except LimitInterrupted as exc:
+        print(f"kvcached-provider: {exc}", file=sys.stderr)
+        return _interrupted_status(exc.__cause__)
     except (LimitError, CleanupError) as exc:
         print(f"kvcached-provider: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted_status(exc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ __all__ = [
     "RECORD_SIZE",
     "ControlRecord",
     "LimitError",
+    "LimitInterrupted",
     "LimitResponder",
     "LimitResult",
     "apply_here",
@@ -105,6 +106,11 @@ _MAX_LIMIT = (1 << 63) - 1  # the control record's total_size is an int64
 
 class LimitError(Exception):
     """Bad input or unusable local state; the CLI prints it as one line and exits 2."""
+
+
+class LimitInterrupted(LimitError):
+    """Interrupted (Ctrl-C, or SIGTERM in the CLI) while waiting for the engine; the message
+    says whether the request was withdrawn. ``__cause__`` is the interrupt."""
 
 
 def state_dir() -> Path:
@@ -144,11 +150,14 @@ def validate_ipc_name(name: str) -> str:
     return name
 
 
+MAX_TIMEOUT_S = 3600.0
+
+
 def validate_timeout(seconds: float) -> float:
-    """``--timeout``: NaN would never expire and inf never time out, so both are refused."""
-    if not math.isfinite(seconds) or seconds <= 0:
+    """``--timeout``: NaN would never expire, and inf or an absurd value never time out."""
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
         raise LimitError(
-            f"--timeout {seconds:g} is invalid: expected a finite positive number of seconds"
+            f"--timeout {seconds:g} is invalid: expected seconds in (0, {MAX_TIMEOUT_S:g}]"
         )
     return seconds
 
@@ -561,6 +570,18 @@ def _via_engine(
         })
     except OSError as exc:
         raise LimitError(f"cannot write limit request {request}: {exc.strerror}") from exc
+    try:
+        return _exchange(ipc, limit_bytes, revision, request, answer, timeout_s)
+    except KeyboardInterrupt as exc:  # an abandoned request must not apply later either
+        outcome = ("the request was withdrawn and nothing was applied" if _withdraw(request)
+                   else "the engine had claimed the request, so the limit may be in force")
+        raise LimitInterrupted(f"interrupted while waiting for the engine; {outcome}") from exc
+
+
+def _exchange(
+    ipc: str, limit_bytes: int, revision: int, request: Path, answer: Path, timeout_s: float
+) -> LimitResult:
+    """Wait for the engine's answer to ``request``; withdraw it if none comes in time."""
     data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
     if data is None:
         if _withdraw(request):  # an unclaimed request must not apply later
