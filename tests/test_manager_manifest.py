@@ -525,6 +525,43 @@ def test_list_is_tolerant_of_invalid_bundles(
     )
 
 
+BROKEN_ID = "org.test.broken"
+
+
+@pytest.mark.parametrize(("damage", "error"), [
+    ({"direct_url.json": b'{"url": "file://[x/", "dir_info": {"editable": true}}'},
+     "editable direct_url.json is invalid"),
+    ({"direct_url.json": b"\xff\xfe{"}, "editable direct_url.json is invalid"),
+    ({"RECORD": b"\xff\n"}, "distribution RECORD cannot be read"),
+    ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
+    ({"manifest": b"[" * 100_000 + b"]" * 100_000}, "manifest cannot be read as JSON"),
+])
+def test_one_damaged_bundle_is_a_diagnostic_not_a_failure(
+    isolated: Path, capsys: pytest.CaptureFixture[str], damage: dict[str, bytes], error: str
+) -> None:
+    """manager-protocol.md §2: ``list`` is tolerant. Damaged metadata of one bundle (bytes
+    that are not UTF-8, a URL urlparse rejects, nesting deeper than the JSON parser follows)
+    becomes that bundle's diagnostic, naming it; the healthy bundle is still listed, and
+    ``inspect`` of the damaged one is one line naming it."""
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"},
+               {"fakepkg/m/vllm-hust-extension-v0.2.json": _good()})
+    manifest = damage.pop("manifest", None)
+    path = "brokenpkg/m/vllm-hust-extension-v0.2.json"
+    write_dist(isolated, "broken-bundle", {BROKEN_ID: "brokenpkg.m"},
+               {} if damage.keys() & {"direct_url.json", "RECORD"} else
+               {path: manifest or b"{}"})
+    info = isolated / "broken_bundle-1.0.dist-info"
+    for name, data in damage.items():
+        (info / name).write_bytes(data)
+    code, out, err = invoke(["extension", "list", "--json"], capsys)
+    assert code == 0, err
+    listed = {d["bundle_id"]: d for d in json.loads(out)}
+    assert listed[TEST_ID].get("valid", True) is not False
+    assert listed[BROKEN_ID]["valid"] is False and error in listed[BROKEN_ID]["discovery_error"]
+    code, _, err = invoke(["extension", "inspect", BROKEN_ID], capsys)
+    assert code == 2 and error in err.splitlines()[-1] and "Traceback" not in err
+
+
 def test_descriptor_only_bundle_is_inspectable_but_not_enabled(
     isolated: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

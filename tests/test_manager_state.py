@@ -102,6 +102,10 @@ def test_configure_keeps_enabled_and_disable_keeps_configuration(
     code, _, err = invoke(["extension", "configure", "org.test.a", "--file", str(settings)], capsys)
     assert code == 2
     assert "extension configuration file must contain an object" in err
+    settings.write_bytes(b"\xff{}")
+    code, _, err = invoke(["extension", "configure", "org.test.a", "--file", str(settings)], capsys)
+    assert code == 2
+    assert f"extension configuration file {settings} is not valid UTF-8 JSON" in err
 
 
 def test_forget_rules(config: Path, capsys: pytest.CaptureFixture[str]) -> None:

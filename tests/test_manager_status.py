@@ -12,11 +12,14 @@ different values is refused).
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +172,9 @@ def test_runtime_effective_only_while_the_writer_lives(
         assert events == ["initialized", "effective"]
         # The bundle writes its own id; rebind the lines to the fake bundle under test.
         evidence.write_text(evidence.read_text().replace("org.vllm-hust.bidkv", "org.test.p"))
+        # A corrupt line (nested deeper than the JSON parser follows) is no evidence, and
+        # no crash either.
+        evidence.write_text("[" * 100_000 + "]" * 100_000 + "\n" + evidence.read_text())
         shown = status("org.test.p", capsys)
         assert shown["states"][-1] == "runtime_effective"
         assert f"pid={child.pid}" in shown["evidence"][-1]
@@ -392,20 +398,23 @@ PROFILE = {"accelerator": "ascend", "tensor_parallel_size": 4}
 
 
 @pytest.mark.parametrize(
-    ("profile", "observed", "state", "evidence"),
+    ("profile", "observed", "state", "evidence", "refusal"),
     [
-        (PROFILE, None, "degraded", "required runtime qualification is unavailable"),
+        (PROFILE, None, "degraded", "required runtime qualification is unavailable",
+         "refusing to launch unverified trusted in-process extension 'org.test.p': "),
         (
             PROFILE,
             {"status": "passed", "accelerator": "cuda", "tensor_parallel_size": 4},
             "incompatible",
             "runtime qualification profile mismatch: {'accelerator': ('ascend', 'cuda')}",
+            "refusing to launch incompatible extension 'org.test.p': ",
         ),
         (
             "ascend",
             {"status": "passed"},
             "incompatible",
             "manifest runtime qualification profile is invalid",
+            "refusing to launch incompatible extension 'org.test.p': ",
         ),
     ],
 )
@@ -417,7 +426,10 @@ def test_qualification_profile_refusals(
     observed: dict[str, Any] | None,
     state: str,
     evidence: str,
+    refusal: str,
 ) -> None:
+    """A trusted in-process bundle is refused with manager-protocol.md §6.2's own text:
+    incompatible, or (qualification unavailable) unverified; there is no fifth refusal."""
     document = _with(
         BASE, activation__additional_config={"_manager_runtime_qualification": profile}
     )
@@ -427,7 +439,24 @@ def test_qualification_profile_refusals(
     shown = status("org.test.p", capsys)
     assert state in shown["states"] and any(evidence in line for line in shown["evidence"])
     code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
-    assert code == 2 and "refusing to launch" in err and evidence in err
+    assert code == 2 and refusal in err and evidence in err
+
+
+def test_an_unqualified_external_service_bundle_is_not_refused(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§6.2 refuses a missing qualification (an unknown result) only for a trusted
+    in-process runtime; a bundle isolated as an external service is degraded, not refused."""
+    document = _with(
+        BASE,
+        activation__additional_config={"_manager_runtime_qualification": PROFILE},
+        runtime__isolation="external_service",
+    )
+    install(site, {"org.test.p": document})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    assert "degraded" in status("org.test.p", capsys)["states"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 0, err
 
 
 def test_passed_qualification_passes_the_reserved_key_to_the_host(
@@ -478,6 +507,53 @@ def test_unhealthy_required_service_refuses_run(
     code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
     assert code == 2
     assert "refusing to launch 'org.test.p': required service health is not verified (kv)" in err
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/ok" else 500)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    """A real HTTP server on loopback: /ok answers 200, anything else 500."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(("path", "reachable", "healthy", "finding"), [
+    ("/ok", True, True, "is healthy"),
+    ("/fail", True, False, "is unhealthy: HTTP 500"),
+    ("file:///etc/hostname", False, False, "must be an http:// or https:// URL"),
+])
+def test_service_health_separates_reachable_from_healthy(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], health_server: str,
+    path: str, reachable: bool, healthy: bool, finding: str,
+) -> None:
+    """A server answering 500 is reachable but not healthy (manager-protocol.md §5.1 keeps
+    the two states apart); an endpoint that is not http(s) is evidence, not a crash."""
+    service = {"service_id": "kv", "protocol": "http", "version_range": None,
+               "endpoint_config": "health_url"}
+    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
+    install(site, {"org.test.p": document})
+    url = path if ":" in path else health_server + path
+    set_state(tmp_path, {"org.test.p": {
+        "enabled": True, "configuration": {**DECLARED, "health_url": url}}})
+    shown = status("org.test.p", capsys)
+    assert ("reachable" in shown["states"]) is reachable
+    assert ("healthy" in shown["states"]) is healthy
+    assert any(line.startswith(f"service kv at {url} is") and finding in line
+               for line in shown["evidence"])
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert (code == 0) is healthy, err
 
 
 # --- cross-bundle conflicts -----------------------------------------------------------

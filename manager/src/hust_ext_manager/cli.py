@@ -28,7 +28,6 @@ from hust_ext_manager.launch import (
     supervise,
     write_native_manifests,
 )
-from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY
 from hust_ext_manager.runtime_evidence import (
     EVIDENCE_ENVIRONMENT,
     launch_environment,
@@ -234,12 +233,11 @@ def _forget(bundle_id: str) -> None:
 
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
-    text = Path(file).read_text(encoding="utf-8")
     try:
-        configuration = json.loads(text)
-    except json.JSONDecodeError as error:
+        configuration = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(
-            f"extension configuration file {file} is not valid JSON: {error}"
+            f"extension configuration file {file} is not valid UTF-8 JSON: {error}"
         ) from error
     if not isinstance(configuration, dict):
         raise ValueError("extension configuration file must contain an object")
@@ -348,11 +346,6 @@ def _refuse(
             f"refusing to launch {bundle_id!r}: required service health is not verified "
             f"({', '.join(assessed['unhealthy'])}); {evidence}"
         )
-    if (
-        RESERVED_QUALIFICATION_KEY in manifest.additional_config
-        and assessed["compatible"] is not True
-    ):
-        raise ValueError(f"refusing to launch {bundle_id!r}: {evidence}")
     if (
         manifest.runtime.isolation == "trusted_in_process"
         and "compatible" not in assessed["states"]

@@ -62,14 +62,15 @@ class Diagnostic:
 
 
 def _editable_roots(dist: Distribution) -> list[Path]:
-    text = dist.read_text("direct_url.json")
-    if not text:
-        return []
     try:
+        text = dist.read_text("direct_url.json")
+        if not text:
+            return []
         direct_url = json.loads(text)
         editable = direct_url.get("dir_info", {}).get("editable") is True
         url = urlparse(str(direct_url.get("url", "")))
-    except (json.JSONDecodeError, AttributeError) as error:
+    except (OSError, ValueError, AttributeError, RecursionError) as error:
+        # ValueError: undecodable bytes, bad JSON, or a URL urlparse rejects.
         raise DiscoveryError("editable direct_url.json is invalid") from error
     if not editable or url.scheme != "file" or url.netloc not in ("", "localhost"):
         return []
@@ -85,7 +86,10 @@ def _manifest_path(registration: EntryPoint) -> Path:
     if dist is None:
         raise DiscoveryError(f"{name!r} has no distribution metadata")
     wanted = [PurePosixPath(*registration.value.split("."), f) for f in MANIFEST_FILENAMES]
-    recorded = {PurePosixPath(str(f)) for f in (dist.files or ())}
+    try:
+        recorded = {PurePosixPath(str(f)) for f in (dist.files or ())}
+    except (OSError, ValueError) as error:  # an undecodable or malformed RECORD
+        raise DiscoveryError(f"{name!r} distribution RECORD cannot be read") from error
     matches = [Path(str(dist.locate_file(str(p)))) for p in wanted if p in recorded]
     if not matches:
         # Editable installs record only a finder/.pth; the files live in the source tree.
@@ -102,7 +106,10 @@ def _load(registration: EntryPoint) -> InstalledBundle:
     dist = registration.dist
     if dist is None:
         raise DiscoveryError(f"{bundle_id!r} has no distribution metadata")
-    dist_name = dist.metadata["Name"]
+    try:
+        dist_name = dist.metadata["Name"]
+    except (OSError, ValueError) as error:  # undecodable METADATA
+        raise DiscoveryError(f"{bundle_id!r} distribution METADATA cannot be read") from error
     if not isinstance(dist_name, str) or not dist_name:
         raise DiscoveryError(f"{bundle_id!r} has no distribution name")
     path = _manifest_path(registration)

@@ -83,7 +83,7 @@ def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> li
         raise ValueError("--additional-config requires a JSON object")
     try:
         existing = json.loads(value)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         existing = None
     if not isinstance(existing, dict):
         raise ValueError("--additional-config must contain a JSON object")
@@ -112,7 +112,7 @@ def merge_option(command: list[str], option: str, value: object, *, is_json: boo
     if is_json:
         try:
             same = json.loads(existing) == value
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             same = False
     else:
         same = existing == value

@@ -588,6 +588,7 @@ def load_manifest(path: Path) -> tuple[Manifest, dict[str, Any]]:
         raise ManifestError("manifest must be a regular non-symlink file")
     try:
         document = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        # RecursionError: nesting deeper than the JSON parser can follow.
         raise ManifestError("manifest cannot be read as JSON") from error
     return parse_manifest(document), document

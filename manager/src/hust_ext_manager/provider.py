@@ -13,6 +13,7 @@ import importlib.metadata
 import inspect
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -264,19 +265,33 @@ def service_health(
             )
             reachable = False
         else:
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as response:
-                    ok = 200 <= response.status < 300
-                evidence.append(
-                    f"service {service.service_id} at {url} is {'healthy' if ok else 'unhealthy'}"
-                )
-            except (OSError, ValueError, urllib.error.URLError) as error:
-                reachable = False
-                evidence.append(f"service {service.service_id} at {url} is unreachable: {error}")
+            answered, ok, finding = _probe(url)
+            reachable = reachable and answered
+            evidence.append(f"service {service.service_id} at {url} is {finding}")
         healthy = healthy and ok
         if not ok and not service.optional:
             unhealthy.append(service.service_id)
     return reachable, healthy, evidence, unhealthy
+
+
+def _probe(url: str) -> tuple[bool, bool, str]:
+    """(reachable, healthy, finding) for one health endpoint: an HTTP(S) GET, 2 s.
+
+    A server that answers with an error status is reachable but unhealthy; an endpoint that
+    is not an http(s) URL has no health to read, so it counts as unreachable.
+    """
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        return False, False, "unreachable: the endpoint must be an http:// or https:// URL"
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            status = response.status
+    except urllib.error.HTTPError as error:  # an answer, with a non-2xx status
+        return True, False, f"unhealthy: HTTP {error.code}"
+    except (OSError, ValueError) as error:  # URLError is an OSError
+        return False, False, f"unreachable: {error}"
+    if 200 <= status < 300:
+        return True, True, "healthy"
+    return True, False, f"unhealthy: HTTP {status}"
 
 
 def _one_line(error: Exception) -> str:

@@ -167,8 +167,8 @@ def _events(target: Path) -> list[dict[str, Any]]:
     for raw in lines:
         try:
             event = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            continue  # a torn or corrupt line is no evidence
         if isinstance(event, dict) and _bound(event):
             events.append(event)
     return events

@@ -131,7 +131,7 @@ def load_state(path: Path | None = None) -> State:
         raise ValueError(f"vllm-hust-ext config {target} is not UTF-8") from error
     try:
         document = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"vllm-hust-ext config {target} is not valid JSON") from error
     return parse_state(document)
 
