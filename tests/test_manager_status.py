@@ -41,8 +41,10 @@ def install(
     manifests: dict[str, dict[str, Any]],
     checks: dict[str, str] | None = None,
     shutdown: dict[str, str] | None = None,
+    plugins: dict[str, str] | None = None,
 ) -> None:
-    """A fake installed distribution registering ``manifests`` (optional checks, hooks)."""
+    """A fake installed distribution registering ``manifests`` (optional checks, hooks, and
+    vLLM general plugins ``name -> module``, each module shipped as a file in the RECORD)."""
     info = site / "fake_status-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-status\nVersion: 1.0\n")
@@ -57,6 +59,13 @@ def install(
     lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
     lines.append("[vllm_hust_ext.bundle_shutdown]")
     lines += [f"{k} = {v}" for k, v in (shutdown or {}).items()]
+    lines.append("[vllm.general_plugins]")
+    for name, module in (plugins or {}).items():
+        lines.append(f"{name} = {module}:register")
+        relative = module.replace(".", "/") + ".py"
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_text("def register():\n    pass\n")
+        record.append(f"{relative},,\n")
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     (info / "RECORD").write_text("".join(record))
 
@@ -254,6 +263,29 @@ def test_bundle_checks_feed_status_and_refuse_run(
         err.splitlines()[-1]
         == "vllm-hust-ext: error: refusing to launch 'org.test.p': limit not applied"
     )
+
+
+def test_only_the_bundles_own_distribution_registers_its_hooks(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A check or shutdown hook that another installed distribution registers under the
+    bundle's id is never loaded: it could veto the launch or run code in the bundle's name."""
+    marker = _check_module(site, "return [(False, 'vetoed')]", "fakecheck_intruder")
+    install(site, {"org.test.p": BASE})
+    intruder = site / "intruder-1.0.dist-info"
+    intruder.mkdir()
+    (intruder / "METADATA").write_text("Metadata-Version: 2.1\nName: intruder\nVersion: 1.0\n")
+    (intruder / "entry_points.txt").write_text(
+        "[vllm_hust_ext.bundle_checks]\norg.test.p = fakecheck_intruder:check\n"
+        "[vllm_hust_ext.bundle_shutdown]\norg.test.p = fakecheck_intruder:check\n")
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "vetoed" not in shown["evidence"] and "degraded" not in shown["states"]
+    monkeypatch.delenv("VLLM_HUST_EXT_EVIDENCE_PATH")  # a real launch owns it
+    code, _, err = invoke(["run", "--", sys.executable, "-c", "pass"], capsys)
+    assert code == 0, err
+    assert not marker.exists()
 
 
 def test_a_raising_bundle_check_is_a_failed_line(
@@ -623,7 +655,7 @@ def test_plugins_variable_lists_declared_plugins(
     plugin = _with(
         _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
     )
-    install(site, {"org.test.q": plugin})
+    install(site, {"org.test.q": plugin}, plugins={"kvp": "fakestatus.kvp_plugin"})
     set_state(
         tmp_path, {"org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}}}
     )
@@ -631,6 +663,37 @@ def test_plugins_variable_lists_declared_plugins(
     code, out, _ = invoke(["extension", "env"], capsys)
     assert code == 0
     assert json.loads(out)["VLLM_PLUGINS"] == "mine,ascend,kvp"
+
+
+@pytest.mark.parametrize(("plugins", "why"), [
+    ({}, "is not published by distribution 'fake-status'"),
+    ({"kvp": "fakestatus.gone"}, "targets module 'fakestatus.gone', which distribution "
+                                 "'fake-status' does not contain"),
+])
+def test_a_declared_plugin_must_be_the_bundles_own(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    plugins: dict[str, str], why: str,
+) -> None:
+    """manager-protocol.md §2 (newer managers): a vllm.general_plugins entry point the
+    manifest declares must be published by the bundle's distribution, its module file
+    present; otherwise VLLM_PLUGINS would name a plugin vLLM never finds. Nothing is
+    imported to tell."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin}, plugins=plugins)
+    if plugins:
+        (site / "fakestatus" / "gone.py").unlink()
+    set_state(
+        tmp_path, {"org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}}}
+    )
+    code, out, _ = invoke(["extension", "list", "--json"], capsys)
+    [listed] = [d for d in json.loads(out) if d["bundle_id"] == "org.test.q"]
+    assert listed["valid"] is False
+    assert listed["discovery_error"] == (
+        f"'org.test.q' activation entry point vllm.general_plugins:kvp {why}")
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2 and why in err
 
 
 def test_only_the_vllm_provider_is_served(

@@ -158,7 +158,7 @@ def assess(
         else {b.bundle_id: b.raw for b in peers if b.bundle_id != bundle.bundle_id}
     )
     context = {"enabled_bundles": others, "command": None if command is None else list(command)}
-    checks = provider.bundle_checks(bundle.bundle_id, bundle.raw, configuration, context)
+    checks = provider.bundle_checks(bundle, configuration, context)
     for ok, line in checks:
         evidence.append(line)
         if not ok:
@@ -459,7 +459,7 @@ def _shutdown_hooks(
     with ignoring_signals():
         for bundle in bundles:
             configuration = configurations[bundle.bundle_id]
-            for line in provider.bundle_shutdown(bundle.bundle_id, bundle.raw, configuration):
+            for line in provider.bundle_shutdown(bundle, configuration):
                 print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "BUNDLE_GROUP",
     "CHECK_GROUP",
     "MANIFEST_FILENAMES",
+    "PLUGIN_GROUPS",
     "SHUTDOWN_GROUP",
     "Diagnostic",
     "DiscoveryError",
@@ -33,6 +34,8 @@ __all__ = [
 BUNDLE_GROUP = "vllm_hust.extension_bundles"
 CHECK_GROUP = "vllm_hust_ext.bundle_checks"
 SHUTDOWN_GROUP = "vllm_hust_ext.bundle_shutdown"
+# vLLM's plugin groups: a bundle's activation entry points there must be its own.
+PLUGIN_GROUPS = frozenset({"vllm.general_plugins", "vllm.platform_plugins"})
 MANIFEST_FILENAMES = (
     "vllm-hust-extension-v0.2.json",
     "vllm-hust-extension-v1.json",
@@ -78,6 +81,49 @@ def _editable_roots(dist: Distribution) -> list[Path]:
     return [root, root / "src"]
 
 
+def _recorded(bundle_id: str, dist: Distribution) -> set[PurePosixPath]:
+    """The files the distribution's RECORD lists."""
+    try:
+        return {PurePosixPath(str(f)) for f in (dist.files or ())}
+    except (OSError, ValueError) as error:  # an undecodable or malformed RECORD
+        raise DiscoveryError(f"{bundle_id!r} distribution RECORD cannot be read") from error
+
+
+def _ships_module(bundle_id: str, dist: Distribution, module: str) -> bool:
+    """Whether ``module``'s file (source, package or extension) exists, as ``dist``'s RECORD
+    lists it or, for an editable install, in its source tree; nothing is imported."""
+    *parents, leaf = module.split(".")
+    folder = PurePosixPath(*parents)
+    sources = [folder / f"{leaf}.py", folder / leaf / "__init__.py"]
+    listed = [p for p in _recorded(bundle_id, dist) if p in sources or (
+        p.parent == folder and p.name.startswith(f"{leaf}.") and p.suffix in (".so", ".pyd"))]
+    if any(Path(str(dist.locate_file(str(p)))).is_file() for p in listed):
+        return True
+    return any((root / p).is_file() for root in _editable_roots(dist) for p in sources)
+
+
+def _check_plugins(bundle_id: str, dist: Distribution, dist_name: str, manifest: Manifest
+                   ) -> None:
+    """Each declared vLLM plugin entry point is the bundle's own (the newer managers' rule):
+    published by its distribution, with the target module in it. Otherwise the bundle would
+    put a plugin name in ``VLLM_PLUGINS`` that vLLM never finds, and silently not activate.
+    """
+    declared = [e for e in manifest.activation.entry_points if e.group in PLUGIN_GROUPS]
+    if not declared:
+        return
+    published = {(e.group, e.name): e for e in dist.entry_points}
+    for ref in declared:
+        where = f"{bundle_id!r} activation entry point {ref.group}:{ref.name}"
+        found = published.get((ref.group, ref.name))
+        if found is None:
+            raise DiscoveryError(f"{where} is not published by distribution {dist_name!r}")
+        if not _ships_module(bundle_id, dist, found.module):
+            raise DiscoveryError(
+                f"{where} targets module {found.module!r}, which distribution {dist_name!r} "
+                "does not contain"
+            )
+
+
 def _manifest_path(registration: EntryPoint) -> Path:
     name = registration.name
     if not _STATIC_DIRECTORY.fullmatch(registration.value):
@@ -86,10 +132,7 @@ def _manifest_path(registration: EntryPoint) -> Path:
     if dist is None:
         raise DiscoveryError(f"{name!r} has no distribution metadata")
     wanted = [PurePosixPath(*registration.value.split("."), f) for f in MANIFEST_FILENAMES]
-    try:
-        recorded = {PurePosixPath(str(f)) for f in (dist.files or ())}
-    except (OSError, ValueError) as error:  # an undecodable or malformed RECORD
-        raise DiscoveryError(f"{name!r} distribution RECORD cannot be read") from error
+    recorded = _recorded(name, dist)
     matches = [Path(str(dist.locate_file(str(p)))) for p in wanted if p in recorded]
     if not matches:
         # Editable installs record only a finder/.pth; the files live in the source tree.
@@ -119,6 +162,7 @@ def _load(registration: EntryPoint) -> InstalledBundle:
         raise DiscoveryError(f"{bundle_id!r} manifest is invalid: {error}") from error
     if manifest.extension_id != bundle_id:
         raise DiscoveryError(f"registration {bundle_id!r} does not match {manifest.extension_id!r}")
+    _check_plugins(bundle_id, dist, dist_name, manifest)
     return InstalledBundle(bundle_id, dist_name, dist.version, path, manifest, raw)
 
 

@@ -20,9 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from hust_ext_manager.discovery import CHECK_GROUP, SHUTDOWN_GROUP, InstalledBundle
+from hust_ext_manager.discovery import (
+    CHECK_GROUP,
+    PLUGIN_GROUPS,
+    SHUTDOWN_GROUP,
+    InstalledBundle,
+)
 from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
 
 __all__ = [
@@ -51,7 +57,6 @@ _LAUNCH_JSON_OPTIONS = {
     "speculative_config": "--speculative-config",
 }
 _LAUNCH_FLAGS = {"scheduler_reserve_output_budget": "--scheduler-reserve-output-budget"}
-_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins")
 _POLICY_WARNING = (
     "in-process scheduler activation requires explicit host and protocol compatibility "
     "evidence; run refuses unverified policies"
@@ -306,9 +311,16 @@ def _takes_context(function: Any) -> bool:
         return False
 
 
+def _own_hooks(group: str, bundle: InstalledBundle) -> list[importlib.metadata.EntryPoint]:
+    """The bundle's hooks in ``group``: registered under its id by its own distribution, so
+    that no other installed distribution can veto its launch or run code in its name."""
+    own = canonicalize_name(bundle.distribution)
+    return [e for e in importlib.metadata.entry_points(group=group, name=bundle.bundle_id)
+            if e.dist is not None and canonicalize_name(e.dist.name) == own]
+
+
 def bundle_checks(
-    bundle_id: str,
-    manifest_raw: Mapping[str, Any],
+    bundle: InstalledBundle,
     configuration: Mapping[str, Any],
     context: Mapping[str, Any] | None = None,
 ) -> list[tuple[bool, str]]:
@@ -321,20 +333,18 @@ def bundle_checks(
     option would break.
     """
     results: list[tuple[bool, str]] = []
-    for registration in importlib.metadata.entry_points(group=CHECK_GROUP, name=bundle_id):
+    for registration in _own_hooks(CHECK_GROUP, bundle):
         try:
             function = registration.load()
             extra = {"context": dict(context)} if context and _takes_context(function) else {}
-            for ok, line in function(dict(manifest_raw), dict(configuration), **extra):
+            for ok, line in function(dict(bundle.raw), dict(configuration), **extra):
                 results.append((bool(ok), str(line)))
         except Exception as error:  # a broken check is a failed check, never a crash
             results.append((False, f"bundle check failed: {_one_line(error)}"))
     return results
 
 
-def bundle_shutdown(
-    bundle_id: str, manifest_raw: Mapping[str, Any], configuration: Mapping[str, Any]
-) -> list[str]:
+def bundle_shutdown(bundle: InstalledBundle, configuration: Mapping[str, Any]) -> list[str]:
     """Run the bundle's ``vllm_hust_ext.bundle_shutdown`` hook after a launch ended.
 
     The hook gets ``(manifest, configuration)`` once the launch has ended (after the
@@ -343,10 +353,10 @@ def bundle_shutdown(
     ``run``'s exit status: a raising hook is one more line.
     """
     lines: list[str] = []
-    for registration in importlib.metadata.entry_points(group=SHUTDOWN_GROUP, name=bundle_id):
+    for registration in _own_hooks(SHUTDOWN_GROUP, bundle):
         try:
             function = registration.load()
-            lines.extend(str(line) for line in function(dict(manifest_raw), dict(configuration)))
+            lines.extend(str(line) for line in function(dict(bundle.raw), dict(configuration)))
         except Exception as error:
             lines.append(f"bundle shutdown hook failed: {_one_line(error)}")
     return lines
@@ -391,7 +401,7 @@ def native_manifest(manifest: Manifest) -> dict[str, Any] | None:
 
 
 def plugin_names(manifest: Manifest) -> list[str]:
-    return [e.name for e in manifest.activation.entry_points if e.group in _PLUGIN_GROUPS]
+    return [e.name for e in manifest.activation.entry_points if e.group in PLUGIN_GROUPS]
 
 
 def plan(
