@@ -80,6 +80,10 @@ def _schedule(points: list[dict[str, Any]], usable: int = NUM_BLOCKS - 1) -> Cap
         ("row.json", "[3]", "entry 1: expected an object"),
         ("hdr.csv", "time,blocks\n0,10\n", "expected a CSV header 't,blocks'"),
         ("cell.csv", "t,blocks\n0,10\n5,many\n", "entry 2: blocks"),
+        # JSON values must be numbers: true is no block count, "8" no time.
+        ("bool.json", '[{"t": 0, "blocks": true}]', "entry 1: blocks"),
+        ("str.json", '[{"t": "0", "blocks": 10}]', "entry 1: t"),
+        ("wide.csv", "t,blocks\n0,10\n1,100,7\n", ":3: more fields than the header"),
     ],
 )
 def test_bad_schedule_files_exit_2_with_one_line(

@@ -117,9 +117,13 @@ def _entry_error(source: str, index: int, exc: ValidationError) -> CapacitySched
 
 
 def parse_capacity_schedule(
-    entries: Sequence[object], source: str, usable_blocks: int
+    entries: Sequence[object], source: str, usable_blocks: int, *, from_text: bool = False
 ) -> CapacitySchedule:
-    """Validate raw entries (1-based in messages) against a pool of ``usable_blocks``."""
+    """Validate raw entries (1-based in messages) against a pool of ``usable_blocks``.
+
+    Values must be numbers (``true`` is no block count, ``"8"`` no time); only entries read
+    from CSV text (``from_text``) are numbers written as strings.
+    """
     if not entries:
         raise CapacityScheduleError(
             f'{source}: expected a non-empty list of {{"t": seconds, "blocks": count}} entries'
@@ -132,7 +136,7 @@ def parse_capacity_schedule(
                 f"got {type(raw).__name__}"
             )
         try:
-            entry = _Entry.model_validate(dict(raw))
+            entry = _Entry.model_validate(dict(raw), strict=not from_text)
         except ValidationError as exc:
             raise _entry_error(source, index, exc) from None
         if points and entry.t <= points[-1].t:
@@ -156,8 +160,13 @@ def _csv_rows(text: str, source: str) -> list[object]:
             "blocks", "t",
         ]:
             raise CapacityScheduleError(f"{source}: expected a CSV header 't,blocks'")
-        return [{k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-                for row in reader]
+        rows: list[object] = []
+        for row in reader:
+            if None in row:  # DictReader files surplus fields under the key None
+                raise CapacityScheduleError(
+                    f"{source}:{reader.line_num}: more fields than the header 't,blocks'")
+            rows.append({k.strip(): (v or "").strip() for k, v in row.items()})
+        return rows
     except csv.Error as exc:
         # A field over csv.field_size_limit(), a NUL byte, an unterminated quote.
         raise CapacityScheduleError(
@@ -174,27 +183,26 @@ def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
         raise CapacityScheduleError(f"{source}: cannot read the capacity schedule: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None
     if path.suffix.lower() == ".csv":
-        entries = _csv_rows(text, source)
-    else:
-        try:
-            value: Any = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CapacityScheduleError(
-                f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}); expected a "
-                'list of {"t": seconds, "blocks": count} entries'
-            ) from None
-        except RecursionError:
-            raise CapacityScheduleError(
-                f'{source}: JSON nested too deeply; expected a list of {{"t": seconds, '
-                '"blocks": count} entries'
-            ) from None
-        if not isinstance(value, list):
-            raise CapacityScheduleError(
-                f'{source}: expected a JSON list of {{"t": seconds, "blocks": count}} entries, '
-                f"got {type(value).__name__}"
-            )
-        entries = value
-    return parse_capacity_schedule(entries, source, usable_blocks)
+        return parse_capacity_schedule(_csv_rows(text, source), source, usable_blocks,
+                                       from_text=True)
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CapacityScheduleError(
+            f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}); expected a "
+            'list of {"t": seconds, "blocks": count} entries'
+        ) from None
+    except RecursionError:
+        raise CapacityScheduleError(
+            f'{source}: JSON nested too deeply; expected a list of {{"t": seconds, '
+            '"blocks": count} entries'
+        ) from None
+    if not isinstance(value, list):
+        raise CapacityScheduleError(
+            f'{source}: expected a JSON list of {{"t": seconds, "blocks": count}} entries, '
+            f"got {type(value).__name__}"
+        )
+    return parse_capacity_schedule(value, source, usable_blocks)
 
 
 class ElasticPool:
