@@ -16,9 +16,11 @@ CSV ``t,blocks``) lowers and raises the KV blocks available over simulated time 
 kvcached's semantics (``bidkv_ext.replay.capacity``); ``--blocks-per-page`` sets the page
 geometry and ``--no-capacity-signals`` keeps the elastic pool but publishes no signals.
 
-Bad input (trace rows, files, flags, configuration) prints one line and exits 2. All of it
-is checked before the first engine starts, every arm's policy and BidKV settings and the
-``--output-dir`` (created then) included, so a bad input never costs a finished arm. Report
+Bad input (trace rows, files, flags, configuration) prints one line and exits 2. What this
+tool can check is checked before the first engine starts, every arm's policy and BidKV
+settings and the ``--output-dir`` (created then) included; what only vLLM knows (a
+``--max-model-len`` it cannot serve) fails as one line at the first engine build. Either
+way a bad input never costs a finished arm. Report
 files and plots are written atomically (temporary file in the directory + ``os.replace``).
 """
 
