@@ -42,6 +42,8 @@ class RequestResult:
     error: str | None = None
     timed_out: bool = False
     cancelled: bool = False
+    # The server's own prompt token count (the final usage chunk); None when it sent none.
+    prompt_tokens: int | None = None
 
     @property
     def text_hash(self) -> str:
@@ -54,6 +56,14 @@ class Sampling:
     temperature: float
     seed: int
     ignore_eos: bool
+
+
+def _token_count(usage: dict[str, object], key: str, default: int | None) -> int | None:
+    """A non-negative integer count from a usage object, else ``default``."""
+    value = usage.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return default
 
 
 def _payload(sampling: Sampling, prompt: str, max_tokens: int) -> dict[str, object]:
@@ -82,12 +92,13 @@ async def stream_completion(
     first: float | None = None
     chunks = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
     parts: list[str] = []
     status: int | None = None
     finished = False
 
     async def consume() -> None:
-        nonlocal first, chunks, usage_tokens, status, finished
+        nonlocal first, chunks, usage_tokens, prompt_tokens, status, finished
         async with session.post(
             f"{base_url}/v1/completions", json=_payload(sampling, spec.prompt, spec.max_tokens)
         ) as response:
@@ -104,16 +115,23 @@ async def stream_completion(
                     finished = True
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    raise ValueError(f"stream chunk is not a JSON object: {data[:80]}")
                 usage = event.get("usage")
-                if isinstance(usage, dict) and "completion_tokens" in usage:
-                    usage_tokens = int(usage["completion_tokens"])
-                for choice in event.get("choices") or ():
-                    text = choice.get("text") or ""
-                    if text and first is None:
+                if isinstance(usage, dict):
+                    # `include_usage`: the final chunk counts the prompt as the server
+                    # tokenized it, which the recomputed-prompt figure needs.
+                    usage_tokens = _token_count(usage, "completion_tokens", usage_tokens)
+                    prompt_tokens = _token_count(usage, "prompt_tokens", prompt_tokens)
+                choices = event.get("choices")
+                for choice in choices if isinstance(choices, list) else ():
+                    text = choice.get("text") if isinstance(choice, dict) else None
+                    if not isinstance(text, str) or not text:
+                        continue
+                    if first is None:
                         first = time.monotonic()
-                    if text:
-                        chunks += 1
-                        parts.append(text)
+                    chunks += 1
+                    parts.append(text)
 
     def result(ok: bool, **kw: object) -> RequestResult:
         end = time.monotonic()
@@ -126,6 +144,7 @@ async def stream_completion(
             latency=end - sent if ok else None,
             output_tokens=usage_tokens if usage_tokens is not None else chunks,
             text="".join(parts),
+            prompt_tokens=prompt_tokens,
             **kw,  # type: ignore[arg-type]
         )
 
@@ -139,7 +158,7 @@ async def stream_completion(
         if cancel:
             return result(False, cancelled=True)
         return result(False, error=f"timed out after {timeout_s}s", timed_out=True)
-    except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:
         return result(False, error=str(exc) or type(exc).__name__)
     if not finished:
         return result(False, error="stream ended without [DONE]")

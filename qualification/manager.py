@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from qualification.errors import QualificationError
+from qualification.errors import ManagerVerbError, QualificationError
 from qualification.profile import ManagerSpec
 
 __all__ = ["ManagerSession", "require_tool"]
@@ -89,7 +89,7 @@ class ManagerSession:
         )
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise QualificationError(f"{' '.join(command)} failed (exit {proc.returncode}): {last}")
+            raise ManagerVerbError(f"{' '.join(command)} failed (exit {proc.returncode}): {last}")
         return proc.stdout
 
     def prepare(self, arm: Arm) -> None:

@@ -61,8 +61,12 @@ def read_version(root: Path, problems: list[str]) -> str | None:
     path = root / "src" / "bidkv_ext" / "_version.py"
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError) as exc:
-        problems.append(f"{path}: cannot read __version__ ({exc})")
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
+        # ValueError: NUL bytes (Python 3.11); UnicodeDecodeError: not UTF-8.
+        problems.append(
+            f"{path}: cannot read __version__ ({exc}); "
+            'expected a UTF-8 Python file with __version__ = "X.Y.Z"'
+        )
         return None
     for node in tree.body:
         if (
@@ -76,29 +80,55 @@ def read_version(root: Path, problems: list[str]) -> str | None:
     return None
 
 
+_TOML_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a float"}
+
+
+def _toml_kind(value: object) -> str:
+    return "an array" if isinstance(value, list) else _TOML_KINDS.get(type(value), "a date/time")
+
+
+def _table(
+    problems: list[str], node: Mapping[str, object], *keys: str, under: tuple[str, ...] = ()
+) -> Mapping[str, object]:
+    """``node[k1][k2]...`` as a TOML table ({} when absent); a value of another type is a
+    problem naming it (``under``: the keys that led to ``node``), never an AttributeError
+    on ``.get``."""
+    for depth, key in enumerate(keys, 1):
+        value = node.get(key, {})
+        if not isinstance(value, Mapping):
+            name = ".".join(f'"{k}"' if "." in k else k for k in (*under, *keys[:depth]))
+            problems.append(f"pyproject.toml: {name} is {_toml_kind(value)}; expected a table")
+            return {}
+        node = value
+    return node
+
+
 def _check_pyproject(root: Path, version: str, problems: list[str]) -> dict[str, object]:
     path = root / "pyproject.toml"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        problems.append(f"{path}: cannot be read as TOML ({exc})")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        problems.append(f"{path}: cannot be read as TOML ({exc}); expected a UTF-8 TOML file")
         return {}
-    project = data.get("project", {})
+    project = _table(problems, data, "project")
     static = project.get("version")
     if static is not None:
         if static != version:
             problems.append(f"pyproject.toml version {static} != _version.py {version}")
     else:
-        attr = (
-            data.get("tool", {}).get("setuptools", {}).get("dynamic", {}).get("version", {})
-        ).get("attr")
-        if "version" not in project.get("dynamic", []) or attr != "bidkv_ext._version.__version__":
+        dynamic = project.get("dynamic", [])
+        attr = _table(problems, data, "tool", "setuptools", "dynamic", "version").get("attr")
+        if (
+            not isinstance(dynamic, list)
+            or "version" not in dynamic
+            or attr != "bidkv_ext._version.__version__"
+        ):
             problems.append(
                 "pyproject.toml: version must be dynamic from bidkv_ext._version.__version__ "
-                f"(found dynamic={project.get('dynamic')}, attr={attr})"
+                f"(found dynamic={dynamic}, attr={attr})"
             )
-    entry_points = project.get("entry-points", {}).get(BUNDLE_GROUP, {})
-    return dict(entry_points) if isinstance(entry_points, Mapping) else {}
+    entry_points = _table(problems, project, "entry-points", BUNDLE_GROUP, under=("project",))
+    return dict(entry_points)
 
 
 def _manifest_path(root: Path, dotted: str) -> Path | None:
@@ -125,8 +155,8 @@ def _load_manifests(
             continue
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            problems.append(f"{path}: cannot be read as JSON ({exc})")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            problems.append(f"{path}: cannot be read as JSON ({exc}); expected a UTF-8 JSON object")
             continue
         if not isinstance(doc, dict):
             problems.append(f"{path}: manifest is not a JSON object")
@@ -144,8 +174,11 @@ def _check_changelog(root: Path, version: str, problems: list[str]) -> None:
     path = root / "CHANGELOG.md"
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError:
+    except FileNotFoundError:
         problems.append("CHANGELOG.md is missing")
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"{path}: cannot be read ({exc}); expected a UTF-8 Markdown file")
         return
     if not re.search(rf"^##\s*\[{re.escape(version)}\]", text, flags=re.MULTILINE):
         problems.append(f"CHANGELOG.md has no released section '## [{version}]'")

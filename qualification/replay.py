@@ -16,6 +16,7 @@ import math
 import subprocess
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from qualification.errors import QualificationError
@@ -168,6 +169,9 @@ def run_replay_arm(
     command = require_tool(command, "trace replay")
     argv = session.run_argv(command)
     log_path = arm_dir / "replay.log"
+    report = out / REPORT_NAME
+    # A report left by an earlier run in a reused --out must not pass for this one's.
+    report.unlink(missing_ok=True)
     started = time.monotonic()
     with log_path.open("wb") as log:
         try:
@@ -183,11 +187,19 @@ def run_replay_arm(
         except subprocess.TimeoutExpired:
             rc = None
     wall = time.monotonic() - started
-    report = out / REPORT_NAME
-    if rc != 0 or not report.is_file():
-        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
-        why = "timed out" if rc is None else f"exit {rc}"
-        return ArmResult.not_started(
-            arm, f"bidkv-replay {why}: {' '.join(tail)}", wall_s=wall, command=tuple(argv)
-        )
-    return arm_from_report(arm, read_report(report), argv, wall, str(report))
+    tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+    why = "timed out" if rc is None else f"exit {rc}"
+    not_run = ArmResult.not_started(
+        arm, f"bidkv-replay {why}: {' '.join(tail)}", wall_s=wall, command=tuple(argv)
+    )
+    if rc is None or not report.is_file():
+        return not_run
+    if rc == 0:
+        return arm_from_report(arm, read_report(report), argv, wall, str(report))
+    # The replay ran and wrote its report, then failed a check of its own (conservation):
+    # keep its figures and fail the arm with its own line, not as one that never ran.
+    try:
+        result = arm_from_report(arm, read_report(report), argv, wall, str(report))
+    except QualificationError:
+        return not_run  # a failed run's report is no evidence; its exit line says why
+    return replace(result, error=f"bidkv-replay {why} after writing its report: {' '.join(tail)}")

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from qualification import RECORD_SCHEMA
-from qualification.errors import QualificationError
+from qualification.errors import ManagerVerbError, QualificationError
 from qualification.manager import Arm, ManagerSession, require_tool
 from qualification.profile import CellSpec, Profile
 from qualification.report import gate_summary, write_json_atomic, write_markdown, write_plot
@@ -168,6 +169,23 @@ def _check_tools(profile: Profile) -> None:
         require_tool(profile.server.command, "the vLLM server")
 
 
+def _run_arm(
+    arm_runner: ArmRunner,
+    arm: Arm,
+    cell: CellSpec,
+    repetition: int,
+    arm_dir: Path,
+    session: ManagerSession,
+) -> ArmResult:
+    started = time.monotonic()
+    try:
+        return arm_runner(arm, cell, repetition, arm_dir, session)
+    except ManagerVerbError as exc:
+        # The manager refused this arm's state (e.g. `extension enable`): the arm did not
+        # run and its gate fails with the verb's line; the arms already run are kept.
+        return ArmResult.not_started(arm, str(exc), wall_s=time.monotonic() - started, command=())
+
+
 def run_profile(
     profile: Profile,
     out_dir: Path,
@@ -196,7 +214,7 @@ def run_profile(
                 arm_dir = out_dir / "cells" / cell.name / f"rep-{rep}" / arm
                 session = ManagerSession(profile.manager, arm_dir / "manager", dict(os.environ))
                 log(f"[{cell.name} rep {rep}] {arm} arm ...")
-                results[arm] = arm_runner(arm, cell, rep, arm_dir, session)
+                results[arm] = _run_arm(arm_runner, arm, cell, rep, arm_dir, session)
                 log(
                     f"[{cell.name} rep {rep}] {arm}: {results[arm].throughput:.2f} tok/s, "
                     f"calls={results[arm].calls}"

@@ -17,13 +17,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 
 from qualification.client import RequestResult, RequestSpec, Sampling, fetch_text, run_requests
 from qualification.evidence import (
+    Samples,
     counters_from_evidence,
     counters_from_metrics,
     enabled_from_log,
@@ -36,7 +37,14 @@ from qualification.manager import Arm, ManagerSession
 from qualification.profile import CellSpec, Profile, ServerSpec
 from qualification.verdict import ArmResult
 
-__all__ = ["ServeArm", "build_requests", "serve_command", "serve_environment"]
+__all__ = [
+    "ServeArm",
+    "build_requests",
+    "client_prompt_tokens",
+    "recomputed_prompt_tokens",
+    "serve_command",
+    "serve_environment",
+]
 
 _TRACEBACK = "Traceback (most recent call last)"
 
@@ -92,15 +100,46 @@ def build_requests(profile: Profile, cell: CellSpec, repetition: int) -> list[Re
     return specs
 
 
+# What ``fetch_text`` raises when the engine died or its /metrics stopped answering.
+_UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
 @dataclass(frozen=True, slots=True)
 class _Load:
-    results: list[RequestResult]
-    makespan: float
-    before: str
-    after: str
+    """What one arm's workload produced; ``error`` says why it stopped early, if it did
+    (what ran before that is kept)."""
+
     warmup: RequestResult
-    drain_s: float | None
-    recovery_ok: bool | None
+    results: list[RequestResult] = field(default_factory=list)
+    makespan: float = 0.0
+    before: str = ""
+    after: str = ""
+    drain_s: float | None = None
+    recovery: RequestResult | None = None
+    recovery_ok: bool | None = None
+    error: str | None = None
+
+
+def client_prompt_tokens(results: Sequence[RequestResult]) -> int | None:
+    """The prompt tokens the server reported for these requests; None when any response
+    carried no usage (a cancelled or failed stream), since a partial sum would be wrong."""
+    counts = [r.prompt_tokens for r in results]
+    if any(c is None for c in counts):
+        return None
+    return sum(c for c in counts if c is not None)
+
+
+def recomputed_prompt_tokens(local_compute: float | None, client: int | None) -> float | None:
+    """qualification.md §4: prompt tokens computed locally beyond the prompts sent."""
+    return None if local_compute is None or client is None else local_compute - client
+
+
+def _exit_note(proc: subprocess.Popen[bytes]) -> str:
+    """Whether the server itself went away, not only its endpoint (it may take a moment)."""
+    try:
+        return f" (server exited with status {proc.wait(timeout=2.0)})"
+    except subprocess.TimeoutExpired:
+        return " (server still running)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +171,7 @@ class ServeArm:
         env = self.session.environment(serve_environment(server, arm))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        down = "server did not start"
         with self.log_path.open("wb") as log:
             proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -139,9 +179,17 @@ class ServeArm:
             try:
                 up = self._wait_ready(proc, server.ready_timeout_s)
                 load = asyncio.run(self._load(cell, repetition)) if up else None
+                if load is not None and load.error:
+                    load = replace(load, error=load.error + _exit_note(proc))
+                elif load is None:
+                    down = f"server did not become healthy within {server.ready_timeout_s:g}s"
+                    if proc.poll() is not None:
+                        down = f"server exited with status {proc.returncode} before /health"
             finally:
                 self._stop(proc, server.stop_timeout_s)
-        return self._result(arm, argv, load, up, time.monotonic() - started)
+        if load is None:
+            return self._not_started(arm, argv, down, time.monotonic() - started)
+        return self._result(arm, argv, load, time.monotonic() - started)
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -163,37 +211,53 @@ class ServeArm:
         (warmup,), _ = await run_requests(
             self.base_url, self.sampling, [warm], concurrency=1, timeout_s=w.request_timeout_s
         )
-        _, before = await fetch_text(self.base_url, "/metrics")
-        results, makespan = await run_requests(
-            self.base_url,
-            self.sampling,
-            build_requests(self.profile, cell, repetition),
-            concurrency=cell.concurrency,
-            timeout_s=w.request_timeout_s,
+        load = _Load(warmup)
+        stage = "before the workload"
+        try:
+            load = replace(load, before=await self._metrics())
+            results, makespan = await run_requests(
+                self.base_url,
+                self.sampling,
+                build_requests(self.profile, cell, repetition),
+                concurrency=cell.concurrency,
+                timeout_s=w.request_timeout_s,
+            )
+            load = replace(load, results=results, makespan=makespan)
+            if cell.cancel_after_s is not None:
+                stage = "while draining after the cancellations"
+                load = replace(load, drain_s=await self._drain(w.cancel_drain_bound_s * 4))
+                load = await self._recover(load)
+            stage = "after the workload"
+            return replace(load, after=await self._metrics())
+        except _UNREACHABLE as exc:
+            # The engine died (or /metrics hung) mid-arm: a failed arm with its reason,
+            # never an exception that would lose the arms already finished.
+            reason = str(exc) or type(exc).__name__
+            return replace(load, error=f"engine stopped answering /metrics {stage}: {reason}")
+
+    async def _metrics(self) -> str:
+        _, text = await fetch_text(self.base_url, "/metrics")
+        return text
+
+    async def _recover(self, load: _Load) -> _Load:
+        w = self.profile.workload
+        rec = RequestSpec(-2, w.recovery_prompt, w.recovery_max_tokens)
+        (answer,), _ = await run_requests(
+            self.base_url, self.sampling, [rec], concurrency=1, timeout_s=w.request_timeout_s
         )
-        drain_s: float | None = None
-        recovery_ok: bool | None = None
-        if cell.cancel_after_s is not None:
-            drain_s = await self._drain(w.cancel_drain_bound_s * 4)
-            rec = RequestSpec(-2, w.recovery_prompt, w.recovery_max_tokens)
-            (answer,), _ = await run_requests(
-                self.base_url, self.sampling, [rec], concurrency=1, timeout_s=w.request_timeout_s
-            )
-            expected = w.recovery_expected
-            recovery_ok = (
-                answer.ok
-                and answer.status == 200
-                and (expected is None or answer.text.strip() == expected)
-            )
-        _, after = await fetch_text(self.base_url, "/metrics")
-        return _Load(results, makespan, before, after, warmup, drain_s, recovery_ok)
+        expected = w.recovery_expected
+        ok = (
+            answer.ok
+            and answer.status == 200
+            and (expected is None or answer.text.strip() == expected)
+        )
+        return replace(load, recovery=answer, recovery_ok=ok)
 
     async def _drain(self, give_up_s: float) -> float | None:
         """Seconds until the engine reports 0 running and 0 waiting (None: never)."""
         start = time.monotonic()
         while time.monotonic() - start < give_up_s:
-            _, text = await fetch_text(self.base_url, "/metrics")
-            samples = parse_prometheus(text)
+            samples = parse_prometheus(await self._metrics())
             running = gauge(samples, "vllm:num_requests_running")
             waiting = gauge(samples, "vllm:num_requests_waiting")
             if running == 0 and waiting == 0:
@@ -216,22 +280,24 @@ class ServeArm:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    def _result(
-        self, arm: Arm, argv: Sequence[str], load: _Load | None, up: bool, wall: float
-    ) -> ArmResult:
+    def _not_started(self, arm: Arm, argv: Sequence[str], why: str, wall: float) -> ArmResult:
+        log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        # The log's last line usually says why (a manager refusal, an engine error).
+        tail = log_text.strip().splitlines()[-1:]
+        return ArmResult.not_started(
+            arm,
+            ": ".join([why, *tail]),
+            wall_s=wall,
+            command=tuple(argv),
+            tracebacks=log_text.count(_TRACEBACK),
+            policy_enabled=enabled_from_log(log_text)[0],
+        )
+
+    def _result(self, arm: Arm, argv: Sequence[str], load: _Load, wall: float) -> ArmResult:
         server = self.profile.server
         assert server is not None
         log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
         log_enabled, log_name = enabled_from_log(log_text)
-        if load is None:
-            return ArmResult.not_started(
-                arm,
-                "server did not become healthy",
-                wall_s=wall,
-                command=tuple(argv),
-                tracebacks=log_text.count(_TRACEBACK),
-                policy_enabled=log_enabled,
-            )
         before, after = parse_prometheus(load.before), parse_prometheus(load.after)
         counters, enabled = counters_from_metrics(before, after)
         ev_counters, ev_enabled, ev_name = counters_from_evidence(self.session.evidence_path)
@@ -272,17 +338,33 @@ class ServeArm:
             tracebacks=log_text.count(_TRACEBACK),
             graph_captured=graph,
             tp_ranks=ranks,
-            error=None if load.warmup.ok else f"warm-up failed: {load.warmup.error}",
+            error=self._error(load),
             wall_s=wall,
             command=tuple(argv),
             extra={
                 "makespan_s": load.makespan,
                 "cancelled": sum(r.cancelled for r in load.results),
                 **figures,
-                # Recompute shows as prompt tokens computed locally beyond the prompts sent
-                # (the client does not tokenize, so the raw delta is recorded).
-                "prompt_tokens_local_compute": metric_delta(
-                    before, after, "vllm:prompt_tokens_by_source", source="local_compute"
-                ),
+                **self._prompt_tokens(load, before, after),
             },
         )
+
+    @staticmethod
+    def _error(load: _Load) -> str | None:
+        errors = [] if load.warmup.ok else [f"warm-up failed: {load.warmup.error}"]
+        errors += [load.error] if load.error else []
+        return "; ".join(errors) or None
+
+    @staticmethod
+    def _prompt_tokens(load: _Load, before: Samples, after: Samples) -> dict[str, object]:
+        """Recompute shows as prompt tokens computed locally beyond the prompts sent: the
+        local-compute delta between the scrapes minus the prompt tokens the server reported
+        for the requests sent between them (the cell's and the recovery request)."""
+        local = metric_delta(before, after, "vllm:prompt_tokens_by_source", source="local_compute")
+        sent = [*load.results, *([load.recovery] if load.recovery is not None else [])]
+        client = client_prompt_tokens(sent) if sent else None
+        return {
+            "prompt_tokens_local_compute": local,
+            "client_prompt_tokens": client,
+            "recomputed_prompt_tokens": recomputed_prompt_tokens(local, client),
+        }

@@ -167,6 +167,14 @@ def _gate(name: str, failures: Sequence[str], applicable: bool = True) -> GateRe
     return GateResult(name, "pass")
 
 
+def _why_not_recovered(arm: ArmResult) -> str:
+    if arm.started:
+        return "recovery request failed"
+    # Name what kept the arm from running (a manager verb, a replay exit, an unhealthy
+    # server): "the server did not come up" would be wrong for most of them.
+    return f"arm did not run ({arm.error})" if arm.error else "server did not come up"
+
+
 def _arms(pairs: Sequence[Pair]) -> list[tuple[int, ArmResult]]:
     return [(p.repetition, a) for p in pairs for a in (p.baseline, p.candidate)]
 
@@ -215,8 +223,7 @@ def evaluate_gates(
         _gate(
             "recovers-after-restart",
             [
-                f"repeat {r} {a.arm}: "
-                + ("server did not come up" if not a.started else "recovery request failed")
+                f"repeat {r} {a.arm}: " + _why_not_recovered(a)
                 for r, a in arms
                 if not a.started or a.recovery_ok is False
             ],

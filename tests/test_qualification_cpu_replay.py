@@ -150,3 +150,93 @@ def test_report_counts_must_be_finite_numbers(tmp_path: Path, value: str) -> Non
     path.write_text(f'{{"arms": [{{{ARM}, "requests": {value}}}]}}')
     with pytest.raises(QualificationError, match=r"report\.json: arm 'x': expected 'requests'"):
         arm_from_report("baseline", read_report(path), [], 0.0, str(path))
+
+
+GOOD_REPORT = json.dumps(
+    {
+        "arms": [
+            {
+                "label": "x",
+                "requests": 2,
+                "completed": 2,
+                "output_tokens": 8,
+                "throughput_output_tok_s": 10.0,
+                "ttft_s": {"p50": 0.1, "p95": 0.2},
+                "e2e_s": {"p50": 1.0, "p95": 2.0},
+            }
+        ]
+    }
+)
+
+
+def _pair(out: Path) -> dict[str, dict[str, object]]:
+    record = json.loads((out / "record.json").read_text())
+    (pair,) = record["cells"][0]["pairs"]
+    return pair  # type: ignore[no-any-return]
+
+
+def _gate(out: Path, name: str) -> dict[str, str]:
+    record = json.loads((out / "record.json").read_text())
+    return next(g for g in record["cells"][0]["gates"] if g["name"] == name)  # type: ignore[no-any-return]
+
+
+@needs_manager
+def test_replay_failing_after_its_report_is_not_a_server_that_never_came_up(
+    tmp_path: Path,
+) -> None:
+    """A replay that writes its report and then exits 1 for a conservation violation ran:
+    its figures are kept and the arm fails with the replay's own line, instead of being
+    recorded as an arm that never started ("server did not come up")."""
+    profile = _fake_replay_profile(tmp_path, GOOD_REPORT)
+    script = tmp_path / "fake-replay.sh"
+    script.write_text(
+        script.read_text() + 'echo "bidkv-replay: error: conservation violated for x" >&2\nexit 1\n'
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(profile), "--out", str(out), "--repeats", "1", "--quiet"]) == 1
+    pair = _pair(out)
+    for arm in (pair["baseline"], pair["candidate"]):
+        assert arm["started"] is True and arm["throughput"] == 10.0
+        assert arm["error"] == (
+            "bidkv-replay exit 1 after writing its report: "
+            "bidkv-replay: error: conservation violated for x"
+        )
+    assert _gate(out, "recovers-after-restart")["status"] == "pass"
+    failed = _gate(out, "no-failed-or-starved")
+    assert failed["status"] == "fail" and "conservation violated for x" in failed["detail"]
+
+
+@needs_manager
+def test_failing_manager_verb_fails_the_arm_and_keeps_the_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vllm-hust-ext extension enable` failing for the candidate arm fails that arm with
+    the verb's one line; the run still writes record.json with the baseline arm already
+    run and exits 1 (a gate failed), instead of aborting with exit 2 and no record."""
+    profile = _fake_replay_profile(tmp_path, GOOD_REPORT)
+    real = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
+    wrapper = tmp_path / "manager.sh"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = extension ] && [ "$2" = enable ]; then\n'
+        "  echo \"vllm-hust-ext: error: bundle 'org.vllm-hust.bidkv' is not installed\" >&2\n"
+        "  exit 3\n"
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    profile.write_text(
+        profile.read_text().replace("[manager]\n", f'[manager]\ncommand = ["{wrapper}"]\n', 1)
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(profile), "--out", str(out), "--repeats", "1"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    pair = _pair(out)
+    assert pair["baseline"]["started"] is True and pair["baseline"]["throughput"] == 10.0
+    verb = (
+        f"{wrapper} extension enable org.vllm-hust.bidkv failed (exit 3): "
+        "vllm-hust-ext: error: bundle 'org.vllm-hust.bidkv' is not installed"
+    )
+    assert pair["candidate"]["started"] is False and pair["candidate"]["error"] == verb
+    gate = _gate(out, "recovers-after-restart")
+    assert gate["detail"] == f"repeat 0 candidate: arm did not run ({verb})"

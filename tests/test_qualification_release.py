@@ -180,3 +180,57 @@ def test_missing_version_file(tmp_path: Path) -> None:
     shutil.rmtree(root / "src")
     result = check_release(root, [])
     assert not result.passed and "_version.py" in result.problems[0]
+
+
+@pytest.mark.parametrize(
+    "target", ["src/bidkv_ext/_version.py", "pyproject.toml", "manifest", "CHANGELOG.md"]
+)
+def test_non_utf8_file_is_a_listed_problem(
+    tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file that is not UTF-8 is one listed problem naming it and what was expected
+    (exit 1), not a UnicodeDecodeError traceback."""
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    name = "manifests/bidkv/vllm-hust-extension-v0.2.json" if target == "manifest" else target
+    path = root / name
+    path.write_bytes(b"\xff\xfe" + path.read_bytes())
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    (problem,) = [line for line in out.splitlines() if str(path) in line]
+    assert "can't decode byte 0xff" in problem and "expected a UTF-8" in problem
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (PYPROJECT, 'project = "x"\n', "pyproject.toml: project is a string; expected a table"),
+        (
+            '[project.entry-points."vllm_hust.extension_bundles"]\n',
+            '[project.entry-points]\n"vllm_hust.extension_bundles" = 3\n[x]\n',
+            'pyproject.toml: project.entry-points."vllm_hust.extension_bundles" is an integer; '
+            "expected a table",
+        ),
+        (
+            'version = { attr = "bidkv_ext._version.__version__" }',
+            'version = ["bidkv_ext._version.__version__"]',
+            "pyproject.toml: tool.setuptools.dynamic.version is an array; expected a table",
+        ),
+        ('dynamic = ["version"]', "dynamic = 1", "version must be dynamic"),
+    ],
+)
+def test_pyproject_value_of_the_wrong_type_is_a_listed_problem(
+    tmp_path: Path, old: str, new: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pyproject value that is not the table (or array) the check navigates is a listed
+    problem naming it, not an AttributeError/TypeError traceback from `.get` or `in`."""
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    text = PYPROJECT.replace(old, new)
+    assert text != PYPROJECT
+    (root / "pyproject.toml").write_text(text)
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert out.count(message) == 1, out

@@ -1,0 +1,175 @@
+"""Guards a serve arm (GPU profiles) end to end against a real local HTTP server launched
+through the real `vllm-hust-ext run`: an engine that dies mid-arm is a failed arm with its
+reason in the record (the run finishes, writes record.json and exits 1, keeping the arms
+already run), and the recomputed-prompt-token figure is the local-compute delta minus the
+prompt tokens the server reported (None when a response carried no usage)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualification.cli import main
+
+MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
+pytestmark = pytest.mark.skipif(
+    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
+)
+
+RECOMPUTE = 7
+FAKE_ENGINE = f"""\
+#!{sys.executable}
+# A stand-in for `vllm serve`: /health, /metrics and streaming /v1/completions.
+import json, os, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT = int(sys.argv[sys.argv.index("--port") + 1])
+DIE_ON_METRICS = int(os.environ.get("FAKE_DIE_ON_METRICS", "0"))
+NO_USAGE = os.environ.get("FAKE_NO_USAGE") == "1"
+lock = threading.Lock()
+state = {{"local": 0, "scrapes": 0}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            return self._send("text/plain", b"ok")
+        with lock:
+            state["scrapes"] += 1
+            if state["scrapes"] == DIE_ON_METRICS:
+                os._exit(3)  # the engine dies mid-arm
+            body = (
+                'vllm:prompt_tokens_by_source_total{{source="local_compute"}} '
+                f'{{state["local"]}}\\nvllm:num_requests_running 0\\n'
+                "vllm:num_requests_waiting 0\\n"
+            )
+        self._send("text/plain", body.encode())
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt_tokens = len(req["prompt"].split())
+        with lock:
+            # Every prompt is computed once plus {RECOMPUTE} tokens again (a preemption).
+            state["local"] += prompt_tokens + {RECOMPUTE}
+        chunks = [{{"choices": [{{"text": f" t{{i}}"}}]}} for i in range(req["max_tokens"])]
+        if not NO_USAGE:
+            usage = {{"prompt_tokens": prompt_tokens, "completion_tokens": req["max_tokens"]}}
+            chunks.append({{"choices": [], "usage": usage}})
+        lines = [f"data: {{json.dumps(c)}}\\n\\n" for c in chunks] + ["data: [DONE]\\n\\n"]
+        self._send("text/event-stream", "".join(lines).encode())
+
+    def _send(self, kind, body):
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
+"""
+
+PARAGRAPH = "one two three four five. "
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _profile(tmp: Path, candidate_env: dict[str, str]) -> Path:
+    engine = tmp / "fake-vllm"
+    engine.write_text(FAKE_ENGINE)
+    engine.chmod(0o755)
+    env = ", ".join(f'{k} = "{v}"' for k, v in candidate_env.items())
+    profile = tmp / "fake-serve.toml"
+    profile.write_text(
+        f"""\
+name = "fake-serve"
+kind = "serve"
+accelerator = "cuda"
+model = "m"
+host_version_range = ">=0"
+repeats = 1
+[manager]
+configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
+shutdown_grace_seconds = 2
+[server]
+command = ["{engine}"]
+port = {_free_port()}
+enforce_eager = true
+ready_timeout_s = 30
+stop_timeout_s = 5
+candidate_environment = {{ {env} }}
+[workload]
+paragraph = "{PARAGRAPH}"
+request_timeout_s = 20
+[[cells]]
+name = "c"
+paragraph_repeats = [2, 3]
+max_tokens = 4
+concurrency = 2
+"""
+    )
+    return profile
+
+
+def _run(tmp: Path, candidate_env: dict[str, str]) -> tuple[int, dict[str, object]]:
+    out = tmp / "out"
+    code = main(["run", str(_profile(tmp, candidate_env)), "--out", str(out), "--quiet"])
+    return code, json.loads((out / "record.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("scrape", "stage", "completed"),
+    [(1, "before the workload", 0), (2, "after the workload", 2)],
+)
+def test_engine_dying_mid_arm_is_a_failed_arm_in_the_record(
+    tmp_path: Path,
+    scrape: int,
+    stage: str,
+    completed: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The candidate's engine exits on its n-th /metrics scrape. The run must not escape
+    with aiohttp's ClientConnectorError: the arm fails with a one-line reason, the record
+    is written with the baseline's finished figures, and the exit status is the gate's."""
+    code, record = _run(tmp_path, {"FAKE_DIE_ON_METRICS": str(scrape)})
+    assert code == 1
+    assert "Traceback" not in capsys.readouterr().err
+    (pair,) = record["cells"][0]["pairs"]  # type: ignore[index]
+    base, cand = pair["baseline"], pair["candidate"]
+    assert base["completed"] == 2 and base["error"] is None and base["throughput"] > 0
+    assert cand["started"] is True and cand["completed"] == completed
+    assert cand["error"].startswith(f"engine stopped answering /metrics {stage}: ")
+    assert cand["error"].endswith("(server exited with status 3)")
+    assert "\n" not in cand["error"]
+    assert any(
+        f.startswith("c: no-failed-or-starved: repeat 0 candidate") and stage in f
+        for f in record["gate"]["failures"]  # type: ignore[index]
+    )
+
+
+def test_recomputed_prompt_tokens_subtracts_the_clients_prompt_tokens(tmp_path: Path) -> None:
+    """qualification.md §4: recomputed = local_compute delta - the prompt tokens the server
+    reported in each stream's usage chunk; with any response lacking usage (the candidate
+    here) the figure is unavailable (None), never the raw delta under that name."""
+    _, record = _run(tmp_path, {"FAKE_NO_USAGE": "1"})
+    (pair,) = record["cells"][0]["pairs"]  # type: ignore[index]
+    words = len(PARAGRAPH.split())
+    # Request r-i: "Request 0-i." (2 words) + the paragraph repeated 2 and 3 times.
+    prompts = [2 + 2 * words, 2 + 3 * words]
+    base, cand = pair["baseline"]["extra"], pair["candidate"]["extra"]
+    assert base["client_prompt_tokens"] == sum(prompts)
+    assert base["prompt_tokens_local_compute"] == sum(prompts) + 2 * RECOMPUTE
+    assert base["recomputed_prompt_tokens"] == 2 * RECOMPUTE
+    assert cand["prompt_tokens_local_compute"] == sum(prompts) + 2 * RECOMPUTE
+    assert cand["client_prompt_tokens"] is None and cand["recomputed_prompt_tokens"] is None
