@@ -109,8 +109,9 @@ def test_any_accepted_configuration_keeps_the_policy_in_charge(
     st.sampled_from([0.0, 16.0, 64.0]),
     st.integers(0, 299),
     st.one_of(st.none(), st.integers(0, 299)),
-    # A tiny slope puts the cut's limit beyond any token count (1e-18: past 2**62).
-    st.sampled_from([1.0, 1e-3, 1e-18]),
+    # A tiny slope puts the cut's limit beyond any token count (1e-18: past 2**62) and
+    # magnifies its rounding; 1e-300 overflows it.
+    st.sampled_from([1.0, 1e-3, 1e-18, 1e-300]),
 )
 def test_bounded_argmax_picks_what_scoring_everyone_picks(
     cands: list[PreemptionCandidate],
@@ -166,6 +167,19 @@ def test_a_tiny_recompute_slope_never_lets_an_insufficient_candidate_win() -> No
     cands = (asker, *big, *small)
     chosen = strategy.choose(cands, PreemptionContext(cands, "fcfs", "asker", 0.9, 1.0), None)
     assert chosen is not None and chosen.request_id.startswith("big")
+
+
+def test_a_tiny_recompute_slope_keeps_ties_to_the_newest() -> None:
+    """The cut's bound is a difference divided by the slope: at 1e-18 its rounding is
+    worth ~1,600 tokens, which cut the anchor itself out and broke the tie toward the
+    older of two equal candidates (found by the property test above)."""
+    strategy = UtilityStrategy(UtilityParams.from_config(BidKVConfig(
+        prefix_caching=False, completion_weight=0.0, base_cost=16.0, cascade_gain_ratio=1.0,
+        recompute_weight=1e-18)))
+    cands = tuple(PreemptionCandidate(str(i), 0, 0.0, 0, 0, int(i >= 67), 0, 0)
+                  for i in range(69))
+    chosen = strategy.choose(cands, PreemptionContext(cands, "fcfs", "0", 0.9, 1.0), None)
+    assert chosen is not None and chosen.request_id == "68"
 
 
 @settings(max_examples=80, deadline=None)

@@ -87,8 +87,11 @@ _NEVER = 1 << 62
 _BEYOND_ANY = float(_NEVER >> 1)
 # Computed counts are integers: half a token of slack on each bound absorbs float rounding
 # (the anchor that set a bound must stay inside it); what else it admits cannot win and
-# only costs its scoring.
+# only costs its scoring. Each bound is a difference divided by the recompute slope, so its
+# rounding error is relative to the terms before they cancel: _RELATIVE_SLACK of those terms
+# (far above double rounding) keeps a tiny slope (1e-18) from cutting the anchor itself out.
 _SLACK = 0.5
+_RELATIVE_SLACK = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,28 +340,34 @@ class UtilityStrategy:
     def _cut(self, ranked: _Counts, need: int, u0: float) -> npt.NDArray[np.intp]:
         """Positions whose computed tokens can still reach ``u0``: between the floor and
         the limit (both bounds hold for every candidate when the host gives no facts)."""
-        inside = ranked <= self._limit(need, u0) + _SLACK
+        inside = ranked <= self._limit(need, u0)
         floor = self._floor(u0)
         if floor > 0.0:
             # Small candidates free fewer blocks than a prefilling requester needs:
             # U_i <= (computed_i / block_size + 1) / (base + slope * computed_i).
-            inside &= ranked >= floor - _SLACK
+            inside &= ranked >= floor
         return np.flatnonzero(inside)
 
     def _floor(self, u0: float) -> float:
-        # Solves (c / bs + 1) / (base + slope * c) = u0 for c: below it U_i < u0.
+        # Solves (c / bs + 1) / (base + slope * c) = u0 for c: below it U_i < u0. Less slack.
         p = self.params
         denominator = 1.0 / p.block_size - u0 * self._lost_slope
         if denominator <= 0.0:
             return 0.0
-        return (u0 * (p.base_cost + p.epsilon) - 1.0) / denominator
+        scale = u0 * (p.base_cost + p.epsilon)
+        slack = _SLACK + _RELATIVE_SLACK * (scale + 1.0) / denominator
+        return (scale - 1.0) / denominator - slack
 
     def _limit(self, need: int, u0: float) -> float:
         # U_i <= need / (base + slope * computed_i): only computed_i <= limit can reach u0.
+        # Plus slack, and capped far below _NEVER: candidates outside the ranked set never
+        # re-enter, however small the slope.
         if u0 <= 0.0:
             return _BEYOND_ANY  # every ranked candidate can tie a zero utility
         p = self.params
-        return min((need / u0 - p.epsilon - p.base_cost) / self._lost_slope, _BEYOND_ANY)
+        reach = need / u0
+        slack = _SLACK + _RELATIVE_SLACK * reach / self._lost_slope
+        return min((reach - p.epsilon - p.base_cost) / self._lost_slope + slack, _BEYOND_ANY)
 
     def _cascade_guard(
         self,
