@@ -3,11 +3,14 @@
 kvcached cannot be installed here (sdists only; the build needs a CUDA/ROCm torch and the
 GPU toolkit), so tests insert these fakes into ``sys.modules`` as ``kvcached``,
 ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C``. Their behaviour
-follows ``shared/specs/kvcached-notes.md`` (sections 2.1-2.3): page/block bookkeeping, the
-shrink rules, the per-pool revision rules (stale / idempotent / conflict / apply, with
-``deferred`` when in-use pages exceed the target and ``rejected`` when quarantined pages
-prevent a resize), the instance-level split, status precedence and result keys.
-Written from the spec; it shares no code with kvcached.
+follows ``shared/specs/kvcached-notes.md`` (sections 2.1-2.3) and kvcached 0.1.6 as read
+in its sdist: page/block bookkeeping, the shrink rules, the per-pool revision rules
+(stale / idempotent / conflict / apply, with ``deferred`` when in-use pages exceed the
+target), quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
+``ValueError``) without taking the revision, ``mapped_bytes`` counting in-use plus
+reserved pages, the instance-level split, status precedence, result keys, the pool's
+``ipc_name`` and, as under vLLM's synchronous scheduling, a no-op ``_lock`` that every
+mutating method takes. Written from those facts; it shares no code with kvcached.
 
 The control record helpers write real 24-byte records (three native int64) into a
 directory standing in for ``/dev/shm``, like kvcached at start-up and ``kvctl limit``.
@@ -15,6 +18,7 @@ directory standing in for ``/dev/shm``, like kvcached at start-up and ``kvctl li
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import types
@@ -30,6 +34,35 @@ _REASONS = {
     "conflict": "revision_reused_with_different_limit",
     "rejected": "quarantined_pages_prevent_resize",
 }
+
+
+class QuarantinedResizeError(ValueError):
+    """kvcached.errors.QuarantinedResizeError: capacity cannot change while pages are
+    quarantined."""
+
+
+class NoOpLock:
+    """kvcached.locks.NoOpLock: what a pool holds unless vLLM schedules asynchronously."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _synchronized(method: Any) -> Any:
+    """kvcached's ``@synchronized``: the pool's lock, read at each call."""
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class FakePageAllocator:
@@ -71,6 +104,10 @@ class FakeKVCacheManager:
         self.in_shrink = False
         self.target_num_blocks: int | None = None
         self.quarantined = False
+        self.reserved_pages = 0  # pre-mapped pages kvcached keeps beside the in-use ones
+        # kvcached names the pool's segment after KVCACHED_IPC_NAME (read at its import).
+        self.ipc_name = os.environ.get("KVCACHED_IPC_NAME") or "kvcached_fake"
+        self._lock: Any = NoOpLock()
         self.page_allocator = FakePageAllocator(self, physical_free_pages)
         self._revision = -1
         self._limit: int | None = None
@@ -91,6 +128,7 @@ class FakeKVCacheManager:
                     self.page_allocator.physical_free_pages)
         return holes + max(0, fresh) * self.blocks_per_page
 
+    @_synchronized
     def alloc(self, n: int) -> list[int] | None:
         if self.available_size() < n:
             return None
@@ -101,6 +139,7 @@ class FakeKVCacheManager:
         self.allocated.update(taken)
         return taken
 
+    @_synchronized
     def free(self, ids: Iterable[int]) -> None:
         self.allocated.difference_update(ids)
         if self.in_shrink and self.target_num_blocks is not None:
@@ -118,7 +157,7 @@ class FakeKVCacheManager:
         return self.page_size * self.num_layers * self.num_kv_buffers
 
     def memory_limit_state(self, status: str | None = None) -> dict[str, Any]:
-        mapped = self.inuse_pages() * self._bundle()
+        mapped = (self.inuse_pages() + self.reserved_pages) * self._bundle()
         status = status or ("deferred" if self.in_shrink else "applied")
         eff = self._effective
         return {
@@ -131,6 +170,7 @@ class FakeKVCacheManager:
             "overage_bytes": 0 if eff is None else max(0, mapped - eff),
         }
 
+    @_synchronized
     def set_memory_limit(self, limit_bytes: int, *, revision: int) -> dict[str, Any]:
         limit_bytes, revision = int(limit_bytes), int(revision)
         if limit_bytes < 0:
@@ -142,10 +182,10 @@ class FakeKVCacheManager:
         if revision == self._revision:
             return self.memory_limit_state(None if limit_bytes == self._limit else "conflict")
         target_pages = min(limit_bytes // self._bundle(), self.mem_size // self.page_size)
+        if self.quarantined:  # raised by resize(), before the revision is taken
+            raise QuarantinedResizeError("capacity cannot change while pages are quarantined")
         self._revision, self._limit = revision, limit_bytes
         self._effective = target_pages * self._bundle()
-        if self.quarantined:
-            return self.memory_limit_state("rejected")
         if self.inuse_pages() > target_pages:
             self.in_shrink = True
             self.target_num_blocks = target_pages * self.blocks_per_page

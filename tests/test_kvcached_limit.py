@@ -237,6 +237,64 @@ def test_responder_claims_nothing_without_pools(kv: FakeKvcached, dirs: tuple[Pa
     assert (box / "req-1.json").exists()
 
 
+def _request(dirs: tuple[Path, Path], revision: int, limit: int) -> Path:
+    """A request as the command drops it into the instance's mailbox."""
+    box = dirs[0] / "mailbox" / IPC
+    box.mkdir(parents=True, exist_ok=True)
+    (box / f"req-{revision}.json").write_text(json.dumps({
+        "schema": "kvcached-provider.limit-request/1", "ipc_name": IPC, "limit_bytes": limit,
+        "revision": revision, "check_startup": False}))
+    return box
+
+
+def test_the_responder_locks_a_pool_before_it_applies_limits(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
+) -> None:
+    """kvcached gives a pool only a no-op lock under vLLM's synchronous scheduling (only the
+    scheduler thread touches it then), but the responder applies limits from its own
+    thread: it first gives the pool a real lock, answers from the next poll on, and then
+    waits for a scheduler call that holds the lock instead of racing it."""
+    box = _request(dirs, 1, 2 * BUNDLE)
+    responder = LimitResponder(IPC)
+    assert responder.poll_once() == 0  # the pool got its lock; nothing applied yet
+    assert isinstance(pool._lock, type(threading.RLock()))
+    assert (box / "req-1.json").exists() and pool.capacity_pages == 4
+    pool._lock.acquire()  # the scheduler is inside alloc()/free()
+    worker = threading.Thread(target=responder.poll_once)
+    worker.start()
+    worker.join(timeout=0.5)
+    assert worker.is_alive() and pool.capacity_pages == 4 and not (box / "ans-1.json").exists()
+    pool._lock.release()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert json.loads((box / "ans-1.json").read_text())["status"] == "applied"
+    assert pool.capacity_pages == 2
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    (RuntimeError("mapping safety cannot be established"), "kvcached_error"),
+    (AssertionError("new_mem_size must be non-negative"), "kvcached_error"),
+])
+def test_a_kvcached_exception_is_answered_not_lost(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+    error: Exception, reason: str,
+) -> None:
+    """kvcached's transactions raise (StateConsistencyError, MapQuarantinedError are
+    RuntimeErrors): the claimed request still gets an answer, so the command reports a
+    refusal at once instead of waiting twice its timeout for one that never comes."""
+    def raising(limit_bytes: int, *, revision: int) -> dict[str, object]:
+        raise error
+    monkeypatch.setattr(pool, "set_memory_limit", raising)
+    box = _request(dirs, 1, 2 * BUNDLE)
+    responder = LimitResponder(IPC)
+    responder.poll_once()  # locks the pool
+    assert responder.poll_once() == 1
+    answer = json.loads((box / "ans-1.json").read_text())
+    assert answer["status"] == "rejected" and answer["reason"] == reason
+    assert type(error).__name__ in answer["detail"]
+    assert [p.name for p in box.iterdir()] == ["ans-1.json"]
+
+
 def test_concurrent_commands_never_share_a_revision(dirs: tuple[Path, Path]) -> None:
     procs = [_cli({}, "--ipc", IPC, "--timeout", "0.1", "--json", f"{i + 1}G") for i in range(4)]
     revisions = []
@@ -259,7 +317,9 @@ def test_activation_plugin_starts_responder_only_when_enabled(
     monkeypatch.setattr(activation, "_responder", None)
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     assert activation.register() is None
-    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setenv("ENABLE_KVCACHED", " true")  # kvcached reads it untrimmed: off
+    assert activation.register() is None
+    monkeypatch.setenv("ENABLE_KVCACHED", "TRUE")
     monkeypatch.setenv("KVCACHED_IPC_NAME", "not valid!")
     assert activation.register() is None
     monkeypatch.setenv("KVCACHED_IPC_NAME", IPC)

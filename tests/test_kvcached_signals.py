@@ -66,13 +66,15 @@ def test_signals_report_limit_shrink_and_capacity(kv: FakeKvcached) -> None:
     assert got.mapped_bytes == 3 * (8 << 20)
 
 
-def test_signals_sum_over_pools(kv: FakeKvcached) -> None:
+def test_signals_over_pools(kv: FakeKvcached) -> None:
+    """Blocks add up over pools; free physical pages do not: each pool measures the whole
+    device, so the aggregate is what every pool can still map, not the sum."""
     kv.register(FakeKVCacheManager(group_id=0, physical_free_pages=2))
     kv.register(FakeKVCacheManager(group_id=1, physical_free_pages=5))
     got = signals.current_signals()
     assert got is not None
     assert [p.group_id for p in got.pools] == [0, 1]
-    assert got.physical_free_pages == 7
+    assert got.physical_free_pages == 2
     assert got.available_blocks == (2 + 4) * 16
 
 

@@ -28,7 +28,9 @@ _responder: LimitResponder | None = None
 
 
 def _enabled(environ: os._Environ[str] | dict[str, str]) -> bool:
-    return environ.get("ENABLE_KVCACHED", "false").strip().lower() in {"true", "1"}
+    # Exactly kvcached's reading (no trimming): " true" switches kvcached off, so it must
+    # not switch the responder on.
+    return environ.get("ENABLE_KVCACHED", "false").lower() in {"true", "1"}
 
 
 def register() -> LimitResponder | None:

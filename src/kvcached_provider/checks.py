@@ -288,8 +288,9 @@ def check_vllm_range(version_range: str = KVCACHED_TESTED_VLLM_RANGE) -> CheckLi
     if not inside:
         return False, (
             f"vLLM {dist.version} is outside kvcached's supported range {version_range} "
-            "(kvcached 0.1.6 is tested up to vLLM 0.30; its patches are gated by version and "
-            "would not apply): run on a vLLM in that range, e.g. vLLM-HUST 0.28.1, or "
+            "(kvcached 0.1.6 is tested up to vLLM 0.30; its core patches would still load "
+            "on a later vLLM, untested against its internals): run on a vLLM in that range, "
+            "e.g. vLLM-HUST 0.28.1, or "
             f"`vllm-hust-ext extension disable {EXTENSION_ID}`"
         )
     return True, f"vLLM {dist.version} is inside kvcached's supported range {version_range}"

@@ -23,8 +23,15 @@ Where the API is called
       registered pools (the EngineCore), calls the API there and writes the answer.
       No answer within the timeout -> ``unavailable`` (``no_engine_responder``): nothing was
       applied, because the command withdraws the request before reporting.
-    The mailbox transport has been exercised with fake kvcached modules only; it has not
-    run against a real kvcached engine (kvcached cannot be installed on our CPU CI).
+      The responder runs on its own thread, while kvcached locks a pool only under vLLM's
+      async scheduling (a no-op lock otherwise, the scheduler thread being its only user):
+      so it first gives each pool a real ``RLock``, which every mutating method takes, and
+      applies from its next poll on. Whatever kvcached raises (``QuarantinedResizeError``
+      when quarantined pages block the resize, ``StateConsistencyError``...) is answered as
+      ``rejected`` with kvcached's reason, never left unanswered.
+    The mailbox transport has been exercised with fake kvcached modules written from
+    kvcached 0.1.6's source; it has not run against a real kvcached engine (kvcached cannot
+    be installed on our CPU CI).
 
 Revisions
     One counter per instance name, persisted atomically under a file lock in the state
@@ -39,8 +46,8 @@ Refusing to mix with ``kvctl`` (our design; kvcached records no owner in the seg
     The control record has no owner field, so ownership is inferred:
 
     1. After each accepted limit we store, per control record of the instance
-       (``<ipc>`` and ``<ipc>_g<N>`` for other KV groups), its inode and ``total_size`` --
-       our marker. Before the next limit, a record with the same inode whose
+       (``<ipc>``, and ``<ipc>_g<N>`` of a KV group that owns its segment), its inode
+       and ``total_size`` -- our marker. Before the next limit, a record with the same inode whose
        ``total_size`` changed means someone wrote it (``kvctl limit``): we refuse with
        ``rejected`` / ``kvctl_limit_detected``. A new inode means the engine restarted
        (a new segment); the old marker is dropped.
@@ -102,6 +109,7 @@ RECORD_SIZE = _RECORD.size
 _REQUEST_SCHEMA = "kvcached-provider.limit-request/1"
 _POLL_S = 0.05
 _MAX_LIMIT = (1 << 63) - 1  # the control record's total_size is an int64
+_RLOCK = type(threading.RLock())
 
 
 class LimitError(Exception):
@@ -307,6 +315,16 @@ def _record_name(ipc: str, group_id: int) -> str:
     return ipc if group_id == 0 else f"{ipc}_g{group_id}"
 
 
+def _segment_of(manager: Any, ipc: str) -> str:
+    """The control record a pool uses: kvcached 0.1.6 names it (``ipc_name``: ``<ipc>``, or
+    ``<ipc>_g<N>`` for a group that owns its segment, which only SGLang asks for); earlier
+    releases are taken to use the group suffix for groups other than 0."""
+    name = getattr(manager, "ipc_name", None)
+    if isinstance(name, str) and name:
+        return name
+    return _record_name(ipc, int(getattr(manager, "group_id", 0) or 0))
+
+
 # ------------------------------------------------------------------------ revisions
 
 
@@ -435,10 +453,9 @@ def _serves(ipc: str) -> bool:
 
 def _startup_violation(ipc: str, shm: Path) -> str | None:
     for manager in _registered_managers():
-        group = int(getattr(manager, "group_id", 0) or 0)
         capacity = (int(manager.mem_size) * int(manager.num_layers)
                     * int(manager.num_kv_buffers))
-        record = read_control_record(_record_name(ipc, group), shm)
+        record = read_control_record(_segment_of(manager, ipc), shm)
         if record is not None and record.total_size != capacity:
             return (
                 f"control record {shm / record.name} holds total_size {record.total_size} "
@@ -468,10 +485,40 @@ def apply_here(
                                        reason="kvctl_limit_detected", detail=violation, via=via)
     try:
         raw = control.set_instance_memory_limit(limit_bytes, revision=revision)
-    except ValueError as exc:
+    except Exception as exc:
+        # kvcached 0.1.6 raises rather than answers when quarantined pages block the resize
+        # (QuarantinedResizeError, a ValueError), and its transactions raise
+        # StateConsistencyError / MapQuarantinedError (RuntimeErrors): each is a refusal,
+        # never an exception out of the engine's responder.
         return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
-                                   reason="invalid_request", detail=str(exc), via=via)
+                                   reason=_refusal_reason(exc),
+                                   detail=f"{type(exc).__name__}: {exc}", via=via)
     return LimitResult.from_kvcached(raw, ipc_name=ipc, via=via)
+
+
+def _refusal_reason(exc: Exception) -> str:
+    name = type(exc).__name__
+    if name == "QuarantinedResizeError":
+        return "quarantined_pages_prevent_resize"  # the reason kvcached reports later
+    return "invalid_request" if isinstance(exc, ValueError) else "kvcached_error"
+
+
+def _lock_pools() -> int:
+    """Give every registered pool a real lock; returns how many had none.
+
+    kvcached guards a pool with an ``RLock`` only under vLLM's async scheduling and with a
+    no-op lock otherwise, because then only the scheduler thread touches it. The responder
+    applies limits from its own thread, so without a real lock ``set_memory_limit`` would
+    race the scheduler's ``alloc``/``free``. Every mutating method reads ``self._lock`` per
+    call, so a lock set here serialises them from the next call on.
+    """
+    upgraded = 0
+    for manager in _registered_managers():
+        lock = getattr(manager, "_lock", None)
+        if lock is not None and not isinstance(lock, _RLOCK):
+            manager._lock = threading.RLock()
+            upgraded += 1
+    return upgraded
 
 
 # ------------------------------------------------------------------------- mailbox
@@ -631,6 +678,10 @@ class LimitResponder:
         """Answer pending requests; returns how many were answered."""
         if not _serves(self.ipc):
             return 0
+        if _lock_pools():
+            # A pool just got its lock: answer from the next poll on, once any call the
+            # scheduler began under the no-op lock (microseconds long) has returned.
+            return 0
         box = _mailbox(self.ipc, self.directory)
         try:
             pending = sorted(box.glob("req-*.json"))
@@ -656,7 +707,7 @@ class LimitResponder:
             result = apply_here(self.ipc, int(body["limit_bytes"]), revision,
                                 check_startup=bool(body.get("check_startup")), via="engine",
                                 shm=self.shm)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # every claimed request gets an answer
             match = re.search(r"claimed-(\d+)-", claimed.name)
             revision = int(match.group(1)) if match else 0
             result = LimitResult.refused(self.ipc, 0, revision, status="rejected",

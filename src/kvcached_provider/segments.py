@@ -1,14 +1,16 @@
 """Removing what a kvcached instance leaks on shutdown (kvcached-notes.md §7, check 9).
 
-kvcached keeps one 24-byte control record per instance and KV group in ``/dev/shm``
-(``<ipc>`` for group 0, ``<ipc>_g<N>`` for the others), and its tensor-parallel workers
+kvcached keeps a 24-byte control record per instance in ``/dev/shm`` (``<ipc>``; a KV group
+that owns its segment, which only SGLang asks for, uses ``<ipc>_g<N>``), and its
+tensor-parallel workers
 talk over Unix sockets in ``/tmp/kvcached-tp-<ipc>-<h>`` (``h``: the first 8 hex digits of
 ``uuid5(NAMESPACE_DNS, ipc)``, as kvcached's ``tp_ipc_util`` derives it). Both survive
 SIGKILL, and on vLLM even a graceful SIGTERM (kvcached #477), so the next engine with the
 same name would start from a stale limit.
 
-The record has no owner or liveness field, and kvcached opens it only briefly around each
-read or write, so "in use" is decided from one reading of ``/proc``. A live process uses
+The record has no owner or liveness field, and whether a process keeps it open differs
+between kvcached releases (0.1.6 holds a descriptor per pool; earlier ones open it only
+around each access), so "in use" is decided from one reading of ``/proc``. A live process uses
 the instance when its environment names it in ``KVCACHED_IPC_NAME`` (compared as kvcached
 sanitises it, whether or not kvcached is enabled there), when it belongs to the process
 group a default name ``kvcached_<engine>_<pgid>`` was derived from, or when it has one of

@@ -5,8 +5,11 @@ integration registers each in ``kvcached.pool_registry``. This module reads them
 
 - :func:`current_signals` -- memory limit, shrink state, available blocks and free physical
   pages, aggregated over the registered pools, or ``None`` when kvcached is not active here.
-- :func:`pages_released` -- how many whole pages a set of block ids would return to the GPU
-  if they were freed (a page releases physical memory only when all its blocks are free).
+- :func:`pages_released` -- how many whole pages a set of block ids would empty if they
+  were freed (a page leaves the pool only when all its blocks are free). That is what a
+  shrink needs; it overstates memory handed straight back to the GPU, since kvcached keeps
+  up to ``KVCACHED_MAX_RESERVED_PAGES`` emptied pages mapped for reuse and, under async
+  scheduling, releases them a step later.
 - :func:`register_source` / :func:`signals_source` -- a host without kvcached (the
   replay's simulated elastic pool) publishes its own :class:`CapacitySignals` and, through
   :func:`current_page_model`, how its block ids map to pages. A registered source takes
@@ -217,6 +220,11 @@ def _sum(values: Iterable[int | None]) -> int | None:
     return sum(present) if present else None
 
 
+def _min(values: Iterable[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
 def current_signals() -> CapacitySignals | None:
     """kvcached's capacity state, or ``None`` when no kvcached pool lives in this process.
 
@@ -243,7 +251,9 @@ def current_signals() -> CapacitySignals | None:
         memory_limit_bytes=_sum(p.limit_bytes for p in pools),
         effective_limit_bytes=_sum(p.effective_limit_bytes for p in pools),
         mapped_bytes=_sum(p.mapped_bytes for p in pools),
-        physical_free_pages=_sum(p.physical_free_pages for p in pools),
+        # Each pool measures the whole device (in its own page bundles): summing would
+        # count the same memory once per pool, so the aggregate is what every pool can map.
+        physical_free_pages=_min(p.physical_free_pages for p in pools),
         pools=pools,
     )
 
