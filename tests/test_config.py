@@ -51,6 +51,55 @@ def test_score_parameters_come_from_the_config() -> None:
     assert (tuned.preempt_weight, tuned.block_size) == (2.0, 32)
 
 
+def test_configured_preempt_weight_scales_delta_by_one_plus_weight_times_p() -> None:
+    """preempt_weight reaches the score: delta carries the factor (1 + preempt_weight * P)
+    (docs/policy.md, "delta"), so with weight 2 a victim preempted P times has exactly
+    (1 + 2P) times the delta of the same victim never preempted, and weight 0 (the
+    default) leaves P out."""
+    from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
+
+    # Completion term off so that delta is (base_cost + lost) * (1 + 2P) exactly.
+    config = BidKVConfig(preempt_weight=2.0, completion_weight=0.0)
+    tuned = UtilityStrategy(UtilityParams.from_config(config))
+    eps = config.epsilon
+    # 320 computed tokens: 20 blocks freed, need 1 -> r = 1; lost = 320 (cache_survival 0).
+    for p in (0, 1, 3):
+        victim = cand("v", computed=320, output=10, preemptions=p)
+        assert tuned.utility(victim, 1) == pytest.approx(
+            1.0 / ((64.0 + 320.0) * (1 + 2 * p) + eps), rel=1e-12)
+    fresh = tuned.utility(cand("v", computed=320, output=10), 1)
+    twice = tuned.utility(cand("v", computed=320, output=10, preemptions=2), 1)
+    assert (1.0 / twice - eps) == pytest.approx(5.0 * (1.0 / fresh - eps), rel=1e-12)
+    # The default weight 0: prior preemptions do not move the score.
+    plain = UtilityStrategy(UtilityParams.from_config(BidKVConfig(completion_weight=0.0)))
+    assert plain.utility(cand("v", computed=320, output=10, preemptions=3), 1) == (
+        plain.utility(cand("v", computed=320, output=10), 1))
+
+
+def test_configured_block_size_sets_blocks_freed() -> None:
+    """block_size reaches the score: blocks freed are ceil(computed / block_size) without
+    host facts and r = min(blocks freed, blocks needed) (docs/policy.md, "r"). With 32-token
+    blocks 100 computed tokens free 4 blocks (not the 7 of 16-token blocks), so a need of 5
+    or 7 is capped at 4, a need of 3 at 3; and the partial last block (100 % 32 = 4 tokens)
+    is what cache_survival 1 cannot save."""
+    from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
+
+    config = BidKVConfig(block_size=32, completion_weight=0.0)
+    wide = UtilityStrategy(UtilityParams.from_config(config))
+    eps = config.epsilon
+    victim = cand("v", computed=100, output=10)
+    delta = 64.0 + 100.0
+    for need, useful in ((1, 1), (3, 3), (4, 4), (5, 4), (7, 4), (50, 4)):
+        assert wide.utility(victim, need) == pytest.approx(useful / (delta + eps), rel=1e-12)
+    # 16-token blocks free 7 for the same candidate: the setting is what changed it.
+    narrow = UtilityStrategy(UtilityParams.from_config(BidKVConfig(completion_weight=0.0)))
+    assert narrow.utility(victim, 7) == pytest.approx(7 / (delta + eps), rel=1e-12)
+    # Prefix caching, every full block assumed to survive: only 100 - 96 = 4 tokens lost.
+    kept = UtilityStrategy(UtilityParams.from_config(
+        BidKVConfig(block_size=32, completion_weight=0.0, cache_survival=1.0)))
+    assert kept.utility(victim, 5) == pytest.approx(4 / (64.0 + 4.0 + eps), rel=1e-12)
+
+
 def test_environment_then_additional_config_precedence() -> None:
     env = {"BIDKV_UTILITY_ENABLE": "1", "BIDKV_UTILITY_STRATEGY": "lifo",
            "BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "4"}

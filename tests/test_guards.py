@@ -144,3 +144,43 @@ def test_host_facts_change_the_estimate_of_freed_blocks() -> None:
     assert policy.wants_host_facts
 
 
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_second_epoch_gives_every_request_its_full_budget(threshold: int) -> None:
+    """Liveness over two epochs: the barrier victim's preemption is booked to the epoch it
+    ends, so the next epoch starts every request with a full budget. In epoch 1 exactly as
+    in epoch 0, A, B, C and D are each taken `threshold` times in score order, then the
+    barrier takes the host's victim D once more: threshold + 1 for D, the per-epoch bound,
+    reached and not exceeded."""
+    history = replay_decisions(threshold, 3 * (4 * threshold + 1))
+    expected = ["A"] * threshold + ["B"] * threshold + ["C"] * threshold + (
+        ["D"] * (threshold + 1))
+    for epoch in (0, 1, 2):
+        assert [v for e, v in history if e == epoch] == expected
+    assert Counter(v for e, v in history if e == 1) == {
+        "A": threshold, "B": threshold, "C": threshold, "D": threshold + 1}
+
+
+def test_barrier_victim_starts_the_new_epoch_with_a_full_budget() -> None:
+    """LivenessGuard.start_epoch books the barrier victim's coming preemption (its
+    num_preemptions + 1) to the old epoch: after that preemption it may still be preempted
+    `threshold` times in the new epoch; other requests' offsets are their counts at the
+    epoch start, and a request first seen later counts all its preemptions."""
+    from bidkv_ext.guards import LivenessGuard
+
+    guard = LivenessGuard(2)
+    start = (cand("x", preemptions=2), cand("y", preemptions=2), cand("z", preemptions=0))
+    guard.start_epoch(start, "y")
+    assert guard.epochs == 1
+    # y was preempted by the barrier (3): two more in this epoch, not a third.
+    assert guard.allows(cand("y", preemptions=3))
+    assert guard.allows(cand("y", preemptions=4))
+    assert not guard.allows(cand("y", preemptions=5))
+    # x was not preempted by the barrier: its offset is 2, so 3 and 4 allowed, 4 spent.
+    assert guard.allows(cand("x", preemptions=3))
+    assert not guard.allows(cand("x", preemptions=4))
+    assert guard.allows(cand("z", preemptions=1))
+    assert not guard.allows(cand("z", preemptions=2))
+    assert [c.request_id for c in guard.filter(
+        (cand("x", preemptions=4), cand("y", preemptions=4), cand("new", preemptions=2))
+    ).eligible] == ["y"]

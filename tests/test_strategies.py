@@ -88,3 +88,15 @@ def test_cost_aware_and_sglang_peers() -> None:
     tied = [cand("x", output=3, prompt=100), cand("y", output=3, prompt=900), cand("z", output=9)]
     assert BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="sglang")).select_victim(
         ctx(tied)) == "y"
+
+
+def test_least_computed_first_ties_go_to_the_first_in_running_order() -> None:
+    """least-computed-first: among candidates with the fewest computed tokens the first in
+    running order wins (vLLM RFC #54644's LCF), not the newest as in the other rules."""
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="least-computed-first"))
+    tied = [cand("big", computed=900), cand("x", computed=100), cand("y", computed=100),
+            cand("z", computed=100)]
+    assert policy.select_victim(ctx(tied)) == "x"
+    assert policy.select_victim(ctx(tied[::-1])) == "z"
+    assert policy.select_victim(ctx([cand("p", computed=7), cand("q", computed=7)],
+                                    builtin="q")) == "p"
