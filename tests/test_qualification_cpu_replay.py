@@ -240,3 +240,135 @@ def test_failing_manager_verb_fails_the_arm_and_keeps_the_record(
     assert pair["candidate"]["started"] is False and pair["candidate"]["error"] == verb
     gate = _gate(out, "recovers-after-restart")
     assert gate["detail"] == f"repeat 0 candidate: arm did not run ({verb})"
+
+
+def _online_arm(report: Path) -> dict[str, object]:
+    """The one non-reference arm of a replay report.json."""
+    doc = json.loads(report.read_text())
+    (entry,) = [a for a in doc["arms"] if not a.get("reference")]
+    return entry  # type: ignore[no-any-return]
+
+
+@needs_replay
+def test_recorded_latency_is_the_replays_end_to_end_figure(run_dir: Path) -> None:
+    """Every recorded arm of the real CPU run takes its P95 latency (the verdict's latency,
+    qualification.md §4/§7) from the replay's end-to-end percentiles (`e2e_s`) and its TTFT
+    from `ttft_s`, never one for the other; the two differ in the real reports."""
+    record = json.loads((run_dir / "record.json").read_text())
+    for pair in record["cells"][0]["pairs"]:
+        for arm in ("baseline", "candidate"):
+            rep = run_dir / "cells" / pair["cell"] / f"rep-{pair['repetition']}" / arm
+            entry = _online_arm(rep / "replay" / "report.json")
+            e2e, ttft = entry["e2e_s"], entry["ttft_s"]
+            assert e2e["p95"] != ttft["p95"]  # otherwise the check below proves nothing
+            recorded = pair[arm]
+            assert recorded["latency_p95"] == e2e["p95"]
+            assert recorded["latency_p50"] == e2e["p50"]
+            assert recorded["ttft_p95"] == ttft["p95"]
+            assert recorded["ttft_p50"] == ttft["p50"]
+
+
+def test_arm_figures_map_each_report_percentile() -> None:
+    """arm_from_report reads latency_p50/p95 from `e2e_s` (end-to-end latency, §4) and
+    ttft_p50/p95 (and extra ttft_p99) from `ttft_s`; all five figures differ, so a swapped
+    or misread key is caught."""
+    doc = {
+        "arms": [
+            {
+                "label": "x",
+                "requests": 3,
+                "completed": 3,
+                "output_tokens": 9,
+                "throughput_output_tok_s": 12.5,
+                "ttft_s": {"p50": 0.11, "p95": 0.23, "p99": 0.37},
+                "e2e_s": {"p50": 1.7, "p95": 2.9, "p99": 3.3},
+            }
+        ]
+    }
+    arm = arm_from_report("candidate", doc, [], 0.0, "report.json")
+    assert arm.latency_p95 == 2.9
+    assert arm.latency_p50 == 1.7
+    assert arm.ttft_p95 == 0.23
+    assert arm.ttft_p50 == 0.11
+    assert arm.extra["ttft_p99"] == 0.37
+    assert arm.throughput == 12.5
+
+
+def _replay_arm_report(*, throughput: float, ttft_p95: float, e2e_p95: float, **kw: object) -> str:
+    entry: dict[str, object] = {
+        "label": "x",
+        "requests": 4,
+        "completed": 4,
+        "output_tokens": 16,
+        "throughput_output_tok_s": throughput,
+        "ttft_s": {"p50": ttft_p95 / 2, "p95": ttft_p95},
+        "e2e_s": {"p50": e2e_p95 / 2, "p95": e2e_p95},
+        **kw,
+    }
+    return json.dumps({"arms": [entry]})
+
+
+@needs_manager
+def test_verdict_uses_end_to_end_p95_not_ttft(tmp_path: Path) -> None:
+    """Through `qualification run`: the candidate's end-to-end P95 equals the baseline's
+    while its P95 TTFT is +50 %, with throughput +10 % in every repeat. The record keeps
+    each figure under its own name, the cell's P95-latency delta is the end-to-end one
+    (0 %) and the verdict is `beneficial`; reading TTFT as the P95 latency would make it
+    `not-beneficial-in-tested-cell`."""
+    profile = _fake_replay_profile(tmp_path, "{}")
+    (tmp_path / "baseline.json").write_text(
+        _replay_arm_report(
+            throughput=10.0,
+            ttft_p95=0.2,
+            e2e_p95=2.0,
+            controller={
+                "enabled": False,
+                "calls": 0,
+                "selections": 0,
+                "abstentions": 0,
+                "failures": 0,
+                "invalid_selections": 0,
+            },
+        )
+    )
+    (tmp_path / "candidate.json").write_text(
+        _replay_arm_report(
+            throughput=11.0,
+            ttft_p95=0.3,
+            e2e_p95=2.0,
+            controller={
+                "enabled": True,
+                "policy_name": "p",
+                "calls": 5,
+                "selections": 2,
+                "abstentions": 3,
+                "failures": 0,
+                "invalid_selections": 0,
+            },
+        )
+    )
+    # The baseline arm is the one run with `--policies builtin`.
+    script = tmp_path / "fake-replay.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"src={tmp_path / 'candidate.json'}\n"
+        'out=""\n'
+        "while [ $# -gt 0 ]; do\n"
+        '  [ "$1" = --output-dir ] && out="$2"\n'
+        f'  [ "$1" = builtin ] && src={tmp_path / "baseline.json"}\n'
+        "  shift\n"
+        "done\n"
+        'mkdir -p "$out" && cp "$src" "$out/report.json"\n'
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(profile), "--out", str(out), "--quiet"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    (cell,) = record["cells"]
+    assert len(cell["pairs"]) == 3
+    for pair in cell["pairs"]:
+        assert pair["baseline"]["latency_p95"] == 2.0 == pair["candidate"]["latency_p95"]
+        assert pair["baseline"]["ttft_p95"] == 0.2 and pair["candidate"]["ttft_p95"] == 0.3
+        assert pair["deltas_pct"]["latency_p95"] == pytest.approx(0.0, abs=1e-9)
+        assert pair["deltas_pct"]["ttft_p95"] == pytest.approx(50.0)
+    assert cell["deltas"]["latency_p95"]["ci_high"] == pytest.approx(0.0, abs=1e-9)
+    assert cell["verdict"] == "beneficial", cell["reason"]

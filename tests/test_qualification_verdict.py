@@ -174,3 +174,68 @@ def test_arm_order_alternates_across_cells_and_reverses_each_repeat() -> None:
     assert arm_order(0, 1) == ("candidate", "baseline")
     assert arm_order(1, 0) == ("candidate", "baseline")
     assert arm_order(1, 1) == ("baseline", "candidate")
+
+
+# --- the +5 % P95-latency edge (§7 rules 4-5) ----------------------------------------------
+# Three pairs, latency deltas mean - s, mean, mean + s: the sample deviation is s and the
+# half-width t(0.975, 2) * s / sqrt(3), with t = 4.303 from the spec's table (§5).
+_T3 = 4.303
+_EDGE_SPREAD = 1.0  # s, in percentage points
+_HALF = _T3 * _EDGE_SPREAD / 3**0.5
+
+
+def _edge_pairs(mean_latency_delta: float, throughput: Sequence[float]) -> list[Pair]:
+    """Pairs whose P95-latency deltas (baseline 10.0 s) have the given mean and spread."""
+    deltas = [mean_latency_delta + k * _EDGE_SPREAD for k in (-1, 0, 1)]
+    return _pairs([(thr, 10.0 * (1 + d / 100)) for thr, d in zip(throughput, deltas, strict=True)])
+
+
+def _edge_outcome(bound: str, target: float, throughput: Sequence[float]) -> tuple[str, float]:
+    """The label of a cell whose P95-latency CI `bound` ("high"/"low") sits at `target` %,
+    and the bound actually reached (checked to be within 0.01 of the target)."""
+    mean = target - _HALF if bound == "high" else target + _HALF
+    outcome = evaluate_cell(
+        "cell", _edge_pairs(mean, throughput), cancel_bound_s=None, tensor_parallel_size=1
+    )
+    reached = getattr(outcome.deltas["latency_p95"], bound)
+    assert reached == pytest.approx(target, abs=0.01)
+    return outcome.label, reached
+
+
+UP = (105.0, 106.0, 107.0)  # throughput CI [+3.5, +8.5] %: clears the beneficial bar
+FLAT = (99.0, 101.0, 100.0)  # throughput CI straddles 0: neither bar by throughput
+
+
+def test_beneficial_with_latency_ci_high_just_under_5pct() -> None:
+    """Rule 4: P95-latency CI upper bound 4.9 % <= +5 % with throughput CI low > 0 is
+    `beneficial` (a tolerance below 4.9 %, e.g. 3 %, would call it neutral)."""
+    label, high = _edge_outcome("high", 4.9, UP)
+    assert high < 5.0
+    assert label == "beneficial"
+
+
+def test_neutral_with_latency_ci_high_just_over_5pct() -> None:
+    """Rule 4 fails by 0.1 point: P95-latency CI upper bound 5.1 % > +5 % keeps a cell with
+    throughput clearly up at `neutral` (a tolerance above 5.1 %, e.g. 7 %, would call it
+    beneficial); the low bound is far below 5 %, so rule 5 does not apply either."""
+    label, high = _edge_outcome("high", 5.1, UP)
+    assert high > 5.0
+    assert label == "neutral"
+
+
+def test_not_beneficial_with_latency_ci_low_just_over_5pct() -> None:
+    """Rule 5: P95-latency CI lower bound 5.1 % > +5 % is `not-beneficial-in-tested-cell`
+    even though throughput is flat (a tolerance above 5.1 %, e.g. 7 %, would call it
+    neutral)."""
+    label, low = _edge_outcome("low", 5.1, FLAT)
+    assert low > 5.0
+    assert label == "not-beneficial-in-tested-cell"
+
+
+def test_neutral_with_latency_ci_low_just_under_5pct() -> None:
+    """Rule 5 fails by 0.1 point: P95-latency CI lower bound 4.9 % (<= +5 %) with flat
+    throughput is `neutral` (a tolerance below 4.9 %, e.g. 3 %, would call it
+    not-beneficial)."""
+    label, low = _edge_outcome("low", 4.9, FLAT)
+    assert low < 5.0
+    assert label == "neutral"
