@@ -8,6 +8,8 @@ Guarded behaviour:
   and, once it has completed, blocks in use never exceed the capacity;
 - growth is immediate (the reserve is released at the first step at or after the change);
 - when the reserve can choose, it takes blocks on the pages that are already mostly free;
+- the reported overcommit after a completed shrink is the exact largest excess of blocks in
+  use over the target (forced on a bare pool by reserve blocks leaking back), not a constant;
 - bad schedule files are rejected with one line naming the file and the entry (exit 2);
 - capacity signals: absent outside an arm (also after an arm that failed), present inside
   with ``in_shrink`` true while a shrink is pending, absent with ``--no-capacity-signals``;
@@ -180,6 +182,41 @@ def test_reserve_prefers_mostly_free_pages() -> None:
     assert set(taken[6:]) <= {24, 25, 26}  # then page 3 (3 free), not page 2 (2 free)
     assert elastic.physical_free_pages() == 0
     elastic.finish()
+
+
+@needs_vllm
+def test_overcommit_after_a_completed_shrink_is_reported_exactly() -> None:
+    """``max_overcommit_after_shrink_blocks`` is the largest excess of blocks in use over
+    the target seen by ``after_schedule`` once a shrink has completed (not a constant 0):
+    blocks handed back from the reserve behind the shrink's back and taken by requests
+    show up block for block, the figure keeps its maximum, and the in-shrink figure is
+    separate."""
+    pool = _block_pool(65)  # 64 usable
+    held = pool.get_new_blocks(10)
+    elastic = ElasticPool(pool, _schedule([{"t": 1, "blocks": 16}], 64), blocks_per_page=8)
+    elastic.before_step(1.0)  # 54 free: the reserve takes its 48 at once, the shrink is done
+    assert not elastic.in_shrink and elastic.reserved == 48 and elastic.shrink_durations == [0.0]
+    elastic.after_schedule()  # 10 in use under a target of 16: nothing over
+    assert elastic.summary()["max_overcommit_after_shrink_blocks"] == 0
+    rest = pool.get_new_blocks(6)  # requests take the 6 blocks left: exactly at the target
+    elastic.after_schedule()
+    assert elastic.used() == 16 and elastic.summary()["max_overcommit_after_shrink_blocks"] == 0
+
+    # A defect: 5 reserved blocks go back to the pool without the state noticing, and
+    # requests take them. 21 blocks in use against a completed shrink to 16.
+    elastic._release(5)
+    extra = pool.get_new_blocks(5)
+    elastic.after_schedule()
+    assert not elastic.in_shrink and elastic.used() == 21
+    assert elastic.summary()["max_overcommit_after_shrink_blocks"] == 5
+    pool.free_blocks(extra[:3])  # a smaller excess later does not lower the maximum
+    elastic.after_schedule()
+    summary = elastic.summary()
+    assert summary["max_overcommit_after_shrink_blocks"] == 5
+    assert summary["max_over_target_during_shrink_blocks"] == 0
+    pool.free_blocks([*held, *rest, *extra[3:]])
+    assert elastic.finish()["reserve_released"] is True
+    assert pool.get_num_free_blocks() == 64
 
 
 # -- the real scheduler under a schedule -------------------------------------------------

@@ -5,7 +5,8 @@ length, no KV block leaks, every victim back once per preemption) under real pre
 for several arms; byte-identical ``report.json`` for the same seed; metrics taken from the
 scheduler's real events equal hand-computed values on a 5-request trace (idle KV
 included); with prefix caching off every position is executed once plus exactly the
-recomputed ones; the clairvoyant arm is marked a reference.
+recomputed ones; the headline ratios (recompute tax, preemptions per 1k, victims per
+pressure step) follow from those counts; the clairvoyant arm is marked a reference.
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def test_every_position_executed_once_plus_recompute(pressured: dict[str, Any]) 
         assert arm["computed_tokens"] == positions + arm["recomputed_tokens"], arm["label"]
         assert arm["recompute_upper_bound_tokens"] == arm["recomputed_tokens"]
         assert arm["output_tokens"] == sum(r.output_length for r in rows)
+
+
+def test_headline_ratios_follow_the_counts(pressured: dict[str, Any]) -> None:
+    """evaluation.md section 1 on every pressured arm: recompute tax = recomputed / computed
+    tokens (both pinned by the test above), preemptions per 1k = 1000 x preemptions /
+    completed requests, recomputed tokens per preemption, and at least one victim per
+    pressure step (no more victims than preemptions)."""
+    for arm in pressured["arms"]:
+        assert arm["recomputed_tokens"] > 0, arm["label"]
+        assert arm["recompute_tax"] == pytest.approx(
+            arm["recomputed_tokens"] / arm["computed_tokens"]), arm["label"]
+        assert arm["preemptions_per_1k"] == pytest.approx(1000 * arm["preemptions"] / 60)
+        assert arm["recomputed_tokens_per_preemption"] == pytest.approx(
+            arm["recomputed_tokens"] / arm["preemptions"])
+        assert 1.0 <= arm["victims_per_pressure_step"] <= arm["preemptions"]
+        assert 1 <= arm["max_preemptions_one_request"] <= arm["preemptions"]
 
 
 def test_arms_are_labelled_and_counted(pressured: dict[str, Any]) -> None:
@@ -140,6 +157,10 @@ def test_five_requests_match_hand_computed_metrics(tmp_path: Path) -> None:
     assert tpot == pytest.approx({"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0})
     # SLO TTFT <= 2 s holds for all, TPOT <= 100 ms only for the one-token request.
     assert arm["slo_attainment"] == pytest.approx(0.2)
+    # Goodput: that one request over the 5 s makespan; nothing preempted or recomputed.
+    assert arm["goodput_req_s"] == pytest.approx(1 / 5)
+    assert arm["recompute_tax"] == 0 and arm["max_preemptions_one_request"] == 0
+    assert arm["victims_per_pressure_step"] == 0
     assert (tmp_path / "out" / "ttft_cdf.png").stat().st_size > 0
     assert (tmp_path / "out" / "bars.png").stat().st_size > 0
     assert "| builtin |" in (tmp_path / "out" / "report.md").read_text()
