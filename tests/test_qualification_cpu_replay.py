@@ -294,6 +294,13 @@ def test_arm_figures_map_each_report_percentile() -> None:
     assert arm.throughput == 12.5
 
 
+def _controller(**changes: object) -> dict[str, object]:
+    """An arm's controller counters, zero unless given."""
+    counters = dict.fromkeys(
+        ("calls", "selections", "abstentions", "failures", "invalid_selections"), 0)
+    return {**counters, **changes}
+
+
 def _replay_arm_report(*, throughput: float, ttft_p95: float, e2e_p95: float, **kw: object) -> str:
     entry: dict[str, object] = {
         "label": "x",
@@ -321,14 +328,7 @@ def test_verdict_uses_end_to_end_p95_not_ttft(tmp_path: Path) -> None:
             throughput=10.0,
             ttft_p95=0.2,
             e2e_p95=2.0,
-            controller={
-                "enabled": False,
-                "calls": 0,
-                "selections": 0,
-                "abstentions": 0,
-                "failures": 0,
-                "invalid_selections": 0,
-            },
+            controller=_controller(enabled=False),
         )
     )
     (tmp_path / "candidate.json").write_text(
@@ -336,15 +336,8 @@ def test_verdict_uses_end_to_end_p95_not_ttft(tmp_path: Path) -> None:
             throughput=11.0,
             ttft_p95=0.3,
             e2e_p95=2.0,
-            controller={
-                "enabled": True,
-                "policy_name": "p",
-                "calls": 5,
-                "selections": 2,
-                "abstentions": 3,
-                "failures": 0,
-                "invalid_selections": 0,
-            },
+            controller=_controller(enabled=True, policy_name="p", calls=5, selections=2,
+                                   abstentions=3),
         )
     )
     # The baseline arm is the one run with `--policies builtin`.
