@@ -387,8 +387,17 @@ def test_init_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert "Preemption policy initialized: policy=builtin enabled=False" in lines
 
 
-def test_a_policy_instance_is_used_as_given() -> None:
-    """An instance whose class has from_vllm_config is not re-created from the engine config."""
-    instance = WithFactory("configured")
-    loaded = load_policy(instance, object())
-    assert loaded is instance and loaded.tag == "configured"
+def test_an_instance_is_loaded_by_the_hosts_rule(caplog: pytest.LogCaptureFixture) -> None:
+    """preemption-contract.md §4 step 3, as vLLM-HUST loads it: any object with a callable
+    from_vllm_config is built through it, an instance included (with a warning that the
+    instance's own settings do not apply); an instance without the factory is the policy."""
+    engine = object()
+    with caplog.at_level(logging.WARNING, logger="bidkv_ext.controller"):
+        loaded = load_policy(WithFactory("configured"), engine)
+        assert isinstance(loaded, WithFactory) and loaded.tag == "factory"
+        assert WithFactory.seen is engine
+        plain = Fixed("a")
+        assert load_policy(plain, engine) is plain
+        load_policy(WithFactory, engine)  # a class is the intended route: no warning
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "is an instance of" in warning.getMessage() and "WithFactory" in warning.getMessage()

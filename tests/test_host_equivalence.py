@@ -50,9 +50,9 @@ def stock_runs(vllm_offline: ModuleType) -> dict[tuple[str, bool], tuple[list[ob
 
 
 def _bidkv_builtin() -> object:
-    selector = pytest.importorskip("bidkv_ext.selector")
-    config = pytest.importorskip("bidkv_ext.config")
-    return selector.BidkvPreemptionPolicy(config.BidKVConfig(enabled=True, strategy="builtin"))
+    """BidKV's ``builtin`` strategy, loaded as a server loads it (the class; its settings
+    from the engine's additional_config)."""
+    return pytest.importorskip("bidkv_ext.selector").BidkvPreemptionPolicy
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["apc", "no-apc"])
@@ -86,11 +86,13 @@ def test_policy_scheduler_matches_stock(
         "abstain": AlwaysAbstain,
         "bidkv-builtin": _bidkv_builtin,
     }[variant]()
+    settings = {"bidkv": {"enabled": True, "strategy": "builtin"}}
     ours = make_scheduler(
         num_gpu_blocks=NUM_GPU_BLOCKS,
         preemption_policy=chosen,
         policy=policy,
         enable_prefix_caching=prefix_caching,
+        additional_config=settings if variant == "bidkv-builtin" else None,
         **CONFIG,
     )
     actual, preemptions = trace_run(vllm_offline, ours)
@@ -106,6 +108,8 @@ def test_policy_scheduler_matches_stock(
         # The policy was asked at every decision and abstained each time.
         assert stats["calls"] > 0 and stats["enabled"] is True
         assert stats["abstentions"] == stats["calls"] and stats["selections"] == 0
+    if variant == "bidkv-builtin":
+        assert ours.controller.policy.config.strategy == "builtin"
 
 
 def test_async_variant_matches_stock_async_scheduler(
@@ -116,14 +120,13 @@ def test_async_variant_matches_stock_async_scheduler(
     with BidKV choosing it runs the same workload to completion and returns every block."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from bidkv_ext.config import BidKVConfig
     from bidkv_ext.hosts.vllm import PolicyAsyncScheduler
     from bidkv_ext.selector import BidkvPreemptionPolicy
 
-    def run(cls: type | None, policy: object) -> tuple[Any, list[object], int]:
+    def run(cls: type | None, policy: object, **extra: Any) -> tuple[Any, list[object], int]:
         scheduler = make_scheduler(
             num_gpu_blocks=NUM_GPU_BLOCKS, scheduler_cls=cls, preemption_policy=policy,
-            async_scheduling=True, **CONFIG,
+            async_scheduling=True, **CONFIG, **extra,
         )
         return (scheduler, *trace_run(vllm_offline, scheduler))
 
@@ -132,8 +135,10 @@ def test_async_variant_matches_stock_async_scheduler(
     ours, actual, preemptions = run(PolicyAsyncScheduler, AlwaysAbstain())
     assert type(ours) is PolicyAsyncScheduler
     assert preemptions == stock_preemptions and actual == expected
+    # Configured as on a server: the class, with the engine's additional_config.
     chosen, _, bidkv_preemptions = run(
-        PolicyAsyncScheduler, BidkvPreemptionPolicy(BidKVConfig(enabled=True))
+        PolicyAsyncScheduler, BidkvPreemptionPolicy,
+        additional_config={"bidkv": {"enabled": True}},
     )
     stats = chosen.controller.export_stats()
     assert stats["selections"] == stats["calls"] == bidkv_preemptions > 0

@@ -89,12 +89,17 @@ def load_policy(spec: object, vllm_config: object | None = None) -> PreemptionPo
     if spec is None:
         return None
     obj = _resolve_qualname(spec) if isinstance(spec, str) else spec
-    if not isinstance(obj, type) and isinstance(obj, PreemptionPolicy):
-        # A ready policy instance is used as given, even when its class also offers
-        # from_vllm_config: re-creating it would silently drop its configuration.
-        return obj
+    # The host's order (preemption-contract.md §4), instances included: an instance whose
+    # class offers from_vllm_config is re-created from the engine config, as vLLM-HUST
+    # does, so a policy behaves here as it will there. Pass a class to configure it that
+    # way, or an instance of a class without the factory to use it as it is.
     factory = getattr(obj, "from_vllm_config", None)
     if callable(factory):
+        if not isinstance(obj, type):
+            logger.warning(
+                "preemption_policy is an instance of %s; as on vLLM-HUST it is rebuilt with "
+                "from_vllm_config, so settings given to the instance do not apply (pass the "
+                "class and configure it through additional_config)", policy_name_of(obj))
         result = factory(vllm_config)
     elif isinstance(obj, type):
         result = obj()
