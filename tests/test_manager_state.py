@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hust_ext_manager import state as state_module
 from hust_ext_manager.state import load_state, parse_state
 
 from tests.manager_helpers import invoke
@@ -139,6 +140,10 @@ CORRUPT = [
     ("[]", "vllm-hust-ext config must be an object"),
     ('{"schema_version": 3, "extensions": {}}', "vllm-hust-ext config has an unsupported schema"),
     ('{"schema_version": "2", "extensions": {}}', "vllm-hust-ext config has an unsupported schema"),
+    # JSON true == 1 and 1.0 == 1 in Python: neither is the integer schema 1 (nor 2.0 schema 2).
+    ('{"schema_version": true, "enabled": []}', "vllm-hust-ext config has an unsupported schema"),
+    ('{"schema_version": 1.0, "enabled": []}', "vllm-hust-ext config has an unsupported schema"),
+    ('{"schema_version": 2.0, "extensions": {}}', "vllm-hust-ext config has an unsupported schema"),
     (
         '{"schema_version": 1, "enabled": "org.test.a"}',
         "legacy enabled must be an array of strings",
@@ -182,6 +187,64 @@ def test_bad_state_is_refused_and_never_overwritten(
     assert code == 2
     assert message in err.splitlines()[-1]
     assert config.read_bytes() == before
+
+
+def _seeded(config: Path) -> bytes:
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps({"schema_version": 2, "extensions": {}}))
+    return config.read_bytes()
+
+
+def _temp_files(config: Path) -> list[str]:
+    return sorted(p.name for p in config.parent.iterdir() if p.name.startswith(".config-"))
+
+
+def test_a_failed_replace_leaves_the_old_file_intact_and_no_temp_file(
+    config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write goes to a temp file then ``os.replace``: when the replace fails, the old
+    state file is byte-identical (no in-place truncating write), the temp file is removed,
+    and the command fails with one error line."""
+    before = _seeded(config)
+
+    def failing_replace(src: object, dst: object) -> None:
+        raise OSError("replace refused")
+
+    monkeypatch.setattr(state_module.os, "replace", failing_replace)
+    code, out, err = invoke(["extension", "enable", "org.test.a"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == "vllm-hust-ext: error: replace refused"
+    assert "Traceback" not in err
+    assert config.read_bytes() == before
+    assert _temp_files(config) == []
+
+
+def test_the_temp_file_is_fsynced_before_it_replaces_the_state_file(
+    config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_state`` fsyncs the temp file (same directory, ``.config-*``) before the
+    ``os.replace`` that publishes it."""
+    _seeded(config)
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def spy_replace(src: str, dst: str) -> None:
+        calls.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(state_module.os, "fsync", spy_fsync)
+    monkeypatch.setattr(state_module.os, "replace", spy_replace)
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    assert [kind for kind, _ in calls] == ["fsync", "replace"]
+    synced, replaced = calls[0][1], calls[1][1]
+    assert Path(synced) == Path(replaced).resolve()
+    assert Path(synced).parent == config.parent.resolve()
+    assert Path(synced).name.startswith(".config-")
+    assert load_state(config).is_enabled("org.test.a")
 
 
 def test_parse_state_accepts_defaults() -> None:

@@ -1,0 +1,201 @@
+"""``run`` clean-up and refusals, the one-line error contract, and provider check rules.
+
+Guards: a real ``run`` removes its native-manifest temp directory and runs the bundles'
+shutdown hooks even when the launch itself fails; a preset ``VLLM_EXTENSION_MANIFESTS`` or
+``VLLM_EXTENSION_BUNDLES`` is refused; an unexpected exception is one ``internal error``
+line, never a traceback; undeclared environment overrides are incompatible; a failed
+check step makes the bundle incompatible even when another step is unverified (spec §5.2
+rule 4); a false boolean launch option renders no flag.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hust_ext_manager import cli
+
+from tests.manager_helpers import invoke
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE: dict[str, Any] = json.loads(
+    (ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json").read_text()
+)
+DECLARED = {"protocol_versions": {"vllm.preemption-policy": "1.0"}, "host_version": "0.33.0"}
+BUNDLE = "org.test.p"
+
+
+def install(site: Path, shutdown: str | None = None) -> None:
+    """A fake installed distribution registering BASE as ``org.test.p`` (optional hook)."""
+    info = site / "fake_guards-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-guards\nVersion: 1.0\n")
+    relative = "fakeguards/b0/vllm-hust-extension-v0.2.json"
+    (site / relative).parent.mkdir(parents=True)
+    (site / relative).write_text(json.dumps({**BASE, "extension_id": BUNDLE}))
+    lines = ["[vllm_hust.extension_bundles]", f"{BUNDLE} = fakeguards.b0"]
+    lines += ["[vllm_hust_ext.bundle_shutdown]"]
+    lines += [f"{BUNDLE} = {shutdown}"] if shutdown else []
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text(f"{relative},,\n")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+    monkeypatch.delenv("VLLM_HUST_EXT_EVIDENCE_PATH", raising=False)  # a real launch owns it
+    for name in ("VLLM_EXTENSION_MANIFESTS", "VLLM_EXTENSION_BUNDLES"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path
+
+
+def enable(tmp_path: Path, configuration: dict[str, Any]) -> None:
+    entry = {"enabled": True, "configuration": configuration}
+    (tmp_path / "config.json").write_text(
+        json.dumps({"schema_version": 2, "extensions": {BUNDLE: entry}})
+    )
+
+
+def status(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    code, out, err = invoke(["extension", "status", BUNDLE], capsys)
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+# --- run: clean-up ----------------------------------------------------------------------
+
+
+def test_a_real_run_removes_its_native_manifest_directory(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``vllm-hust-ext-*`` temp directory holding the native manifests exists while the
+    child runs and is gone once ``run`` returns."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    seen = tmp_path / "seen"
+    install(site)
+    enable(tmp_path, DECLARED)
+    script = f'test -f "$VLLM_EXTENSION_MANIFESTS" && echo "$VLLM_EXTENSION_MANIFESTS" > {seen}'
+    code, _, err = invoke(["run", "--", "sh", "-c", script], capsys)
+    assert code == 0, err
+    manifest = Path(seen.read_text().strip())
+    assert manifest.parent.parent == temp and manifest.parent.name.startswith("vllm-hust-ext-")
+    assert [p.name for p in temp.iterdir() if p.name.startswith("vllm-hust-ext-")] == []
+
+
+def test_shutdown_hooks_run_even_when_the_launch_fails(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command that cannot be started is one error line, and the bundle's shutdown hook
+    still runs and reports (the hooks run in ``finally``, not only after a normal exit)."""
+    (site / "fakeguards_hook.py").write_text(
+        "def on_shutdown(manifest, configuration):\n    return ['cleaned up']\n"
+    )
+    install(site, shutdown="fakeguards_hook:on_shutdown")
+    enable(tmp_path, DECLARED)
+    code, _, err = invoke(["run", "--", "/nonexistent/command"], capsys)
+    assert code == 2
+    assert f"vllm-hust-ext: {BUNDLE}: cleaned up" in err.splitlines()
+    assert err.splitlines()[-1].startswith("vllm-hust-ext: error: ")
+    assert "No such file or directory" in err.splitlines()[-1]
+
+
+# --- run: refusals and the error contract ---------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["VLLM_EXTENSION_MANIFESTS", "VLLM_EXTENSION_BUNDLES"])
+def test_a_preset_native_manifest_variable_is_refused(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+) -> None:
+    """With a native-manifest bundle enabled, the manager owns both native variables: a
+    preset one is refused with exit 2 and nothing is launched."""
+    install(site)
+    enable(tmp_path, DECLARED)
+    monkeypatch.setenv(variable, "mine")
+    marker = tmp_path / "launched"
+    code, _, err = invoke(["run", "--", "touch", str(marker)], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: vllm-hust-ext owns VLLM_EXTENSION_MANIFESTS and "
+        "VLLM_EXTENSION_BUNDLES while launching enabled vLLM extensions"
+    )
+    assert not marker.exists()
+
+
+def test_an_unexpected_exception_is_one_internal_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception, not only OSError/ValueError, ends as exit 2 and one error line."""
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+
+    def broken_discover(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("discovery exploded\nsecond line")
+
+    monkeypatch.setattr(cli, "discover", broken_discover)
+    code, out, err = invoke(["extension", "env"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: internal error: RuntimeError: discovery exploded second line"
+    )
+    assert "Traceback" not in err
+
+
+# --- provider check rules ---------------------------------------------------------------
+
+
+def test_an_undeclared_environment_override_is_incompatible(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``configuration.environment`` may only override variables the manifest declares."""
+    install(site)
+    enable(tmp_path, {**DECLARED, "environment": {"X": "1"}})
+    shown = status(capsys)
+    # As for any bad user configuration (test_bad_user_configuration_is_incompatible).
+    assert shown["states"] == ["installed", "discovered", "incompatible"]
+    assert shown["evidence"] == ["environment overrides must be declared by the manifest: ['X']"]
+
+
+def test_a_failed_step_beats_an_unverified_one(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Spec §5.2 rule 4: host API out of range (failed) plus an unavailable protocol
+    (unverified) is incompatible, not degraded."""
+    install(site)
+    enable(
+        tmp_path,
+        {
+            "host_version": "0.33.0",
+            "host_api_version": "2.0",
+            "protocol_versions": {"vllm.preemption-policy": ""},
+        },
+    )
+    shown = status(capsys)
+    assert "incompatible" in shown["states"] and "degraded" not in shown["states"]
+    assert "host API 2.0 is outside >=1,<2" in shown["evidence"]
+    assert "protocol vllm.preemption-policy version is unavailable" in shown["evidence"]
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_a_boolean_launch_option_renders_its_flag_only_when_true(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], value: bool
+) -> None:
+    """``launch_options.scheduler_reserve_output_budget: false`` renders no flag."""
+    install(site)
+    enable(tmp_path, {**DECLARED, "launch_options": {"scheduler_reserve_output_budget": value}})
+    code, out, err = invoke(["extension", "plan", BUNDLE], capsys)
+    assert code == 0, err
+    flags = json.loads(out)["generated_config"].get("vllm_flags", [])
+    assert ("--scheduler-reserve-output-budget" in flags) is value
