@@ -7,8 +7,10 @@ precedence, result keys) are put into ``sys.modules``; the ``/dev/shm`` control 
 real 24-byte files in a temporary directory. Guarded: every printed state (applied, deferred,
 stale, conflict, unavailable, rejected) and its exit code; revisions persisted atomically,
 never reused (also across concurrent commands), advanced past a stale answer; refusal when a
-``kvctl`` limit changed the control record or is in force on first use; the engine-side
-responder answering a command run in another process; bad input as one-line errors.
+``kvctl`` limit changed the control record or is in force on first use (but not after an
+engine restart: markers are bound to the segment's inode); the engine-side responder
+answering a command run in another process, and answering a malformed request; bad input
+as one-line errors.
 """
 
 from __future__ import annotations
@@ -176,8 +178,29 @@ def test_kvctl_limit_before_first_use_is_refused_unless_adopted(
     code, out, _ = run(capsys, "24M")
     assert code == 1
     assert out.split()[0] == "rejected" and "not the pool's virtual capacity" in out
+    # A refusal records no marker for the segment, so asking again is still refused.
+    code, out, _ = run(capsys, "24M")
+    assert code == 1
+    assert out.split()[0] == "rejected" and "not the pool's virtual capacity" in out
     code, out, _ = run(capsys, "--adopt", "24M")
     assert code == 0 and out.split()[0] == "applied"
+
+
+def test_an_engine_restart_with_a_new_size_is_not_taken_for_kvctl(
+    kv: FakeKvcached, pool: FakeKVCacheManager, dirs: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A marker applies only to the segment (inode) it was taken from: after an engine
+    restart whose new segment holds a different total_size (a bigger pool), the next limit
+    is applied rather than refused as a kvctl change."""
+    assert run(capsys, "16M")[0] == 0
+    kv.registry.pools.clear()  # the engine restarts with twice the pool
+    bigger = kv.register(FakeKVCacheManager(num_blocks=128))
+    write_record(dirs[1], IPC, virtual_total(bigger), replace=True)
+    assert virtual_total(bigger) != stored(dirs[0])["records"][IPC]["total_size"]  # type: ignore[index]
+    code, out, _ = run(capsys, "24M")
+    assert code == 0 and out.split()[0] == "applied" and "revision=2" in out
+    assert bigger.capacity_pages == 3
 
 
 def test_bad_input_is_one_line(dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
@@ -295,6 +318,32 @@ def test_a_kvcached_exception_is_answered_not_lost(
     assert [p.name for p in box.iterdir()] == ["ans-1.json"]
 
 
+@pytest.mark.parametrize("body", [
+    "{bad",
+    "[]",
+    json.dumps({"schema": "kvcached-provider.limit-request/1", "ipc_name": IPC}),
+    json.dumps({"schema": "kvcached-provider.limit-request/1", "ipc_name": IPC,
+                "revision": 1, "limit_bytes": "lots"}),
+])
+def test_a_malformed_request_is_answered_invalid_request(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], body: str
+) -> None:
+    """Every claimed request gets an answer: a malformed ``req-*.json`` (bad JSON, not an
+    object, missing or bad fields) is answered rejected/invalid_request with its revision,
+    and nothing is applied."""
+    box = dirs[0] / "mailbox" / IPC
+    box.mkdir(parents=True)
+    (box / "req-1.json").write_text(body)
+    responder = LimitResponder(IPC)
+    responder.poll_once()  # locks the pool
+    assert responder.poll_once() == 1
+    answer = json.loads((box / "ans-1.json").read_text())
+    assert answer["status"] == "rejected" and answer["reason"] == "invalid_request"
+    assert answer["revision"] == 1
+    assert [p.name for p in box.iterdir()] == ["ans-1.json"]
+    assert pool.capacity_pages == 4
+
+
 def test_concurrent_commands_never_share_a_revision(dirs: tuple[Path, Path]) -> None:
     procs = [_cli({}, "--ipc", IPC, "--timeout", "0.1", "--json", f"{i + 1}G") for i in range(4)]
     revisions = []
@@ -391,6 +440,8 @@ def test_an_interrupted_limit_withdraws_its_request(
     assert err == ("kvcached-provider: interrupted while waiting for the engine; the request "
                    "was withdrawn and nothing was applied\n")
     assert list(box.iterdir()) == []
+    # The revision was reserved before the request was sent, so it is never reused.
+    assert stored(dirs[0])["revision"] == 1
 
 
 def test_oversized_limit_is_refused(dirs: tuple[Path, Path],

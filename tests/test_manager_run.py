@@ -2,11 +2,14 @@
 
 Guards: the child's exit code is returned; SIGTERM sent to the manager reaches the child
 (the manager then exits 128+15); a child that ignores SIGTERM is SIGKILLed after
-``--shutdown-grace-seconds``; descendants left in the child's process group are cleaned
-up, so no orphan survives; ``--additional-config`` merging in both flag forms with
-conflict detection; option conflicts; manager-owned variables preset by the caller are
-refused; bad grace values and empty commands are one-line errors; a property test keeps
-every caller and bundle key through the merge or refuses the conflict.
+``--shutdown-grace-seconds``; a second signal SIGKILLs at once; SIGINT and SIGHUP are
+forwarded like SIGTERM; descendants left in the child's process group are cleaned up within
+the same grace deadline, so no orphan survives; in-process ``supervise`` restores the
+previous signal handlers; ``merge_flag`` never duplicates a flag; ``--additional-config``
+merging in both flag forms with conflict detection; option conflicts; manager-owned
+variables preset by the caller are refused; bad grace values and empty commands are
+one-line errors; a property test keeps every caller and bundle key through the merge or
+refuses the conflict.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from pathlib import Path
 
 import pytest
 from hust_ext_manager.cli import main
-from hust_ext_manager.launch import group_members, merge_additional_config, merge_option
+from hust_ext_manager.launch import (
+    group_members,
+    merge_additional_config,
+    merge_flag,
+    merge_option,
+    supervise,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -75,20 +84,23 @@ def test_child_killed_by_signal_maps_to_128_plus_n(env: dict[str, str]) -> None:
     assert subprocess.run([CLI, "run", "--", PY, "-c", code], env=env, timeout=60).returncode == 137
 
 
-def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path, signum: int) -> None:
+    """Each forwarded signal (SIGTERM, SIGINT, SIGHUP) sent to the manager reaches the
+    child, and the manager exits 128+N."""
     ready, got = tmp_path / "ready", tmp_path / "got"
     child = (
         "import os, signal, sys, time\n"
         f"def on(s, f):\n    open({str(got)!r}, 'w').write(str(s)); sys.exit(0)\n"
-        "signal.signal(signal.SIGTERM, on)\n"
+        f"signal.signal({int(signum)}, on)\n"
         f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
     )
     manager = subprocess.Popen([CLI, "run", "--", PY, "-c", child], env=env)
     pid = int(_wait_for(ready))
-    manager.send_signal(signal.SIGTERM)
-    assert manager.wait(timeout=30) == 128 + signal.SIGTERM
-    assert _wait_for(got) == str(int(signal.SIGTERM))
+    manager.send_signal(signum)
+    assert manager.wait(timeout=30) == 128 + signum
+    assert _wait_for(got) == str(int(signum))
     assert not _alive(pid)
 
 
@@ -135,15 +147,19 @@ def test_second_signal_before_the_child_exists_still_kills_at_once(
 
 
 def test_no_orphans_remain_in_the_process_group(env: dict[str, str], tmp_path: Path) -> None:
-    """The child exits at once, leaving a SIGTERM-ignoring grandchild in its group."""
-    ready = tmp_path / "ready"
+    """The child exits at once, leaving a SIGTERM-ignoring grandchild in its group; the
+    manager SIGKILLs the group at the grace deadline, so no orphan survives. The child
+    exits only once the grandchild reports that it ignores SIGTERM (no race)."""
+    ready, armed = tmp_path / "ready", tmp_path / "armed"
     grandchild = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(armed)!r}, 'w').write('1'); time.sleep(120)"
     )
     child = (
-        "import os, subprocess, sys\n"
+        "import os, subprocess, sys, time\n"
         f"p = subprocess.Popen([{PY!r}, '-c', {grandchild!r}])\n"
         f"open({str(ready)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}')\n"
+        f"while not os.path.exists({str(armed)!r}):\n    time.sleep(0.01)\n"
         "sys.exit(3)\n"
     )
     done = subprocess.run(
@@ -153,6 +169,85 @@ def test_no_orphans_remain_in_the_process_group(env: dict[str, str], tmp_path: P
     pgid, grandchild_pid = (int(x) for x in _wait_for(ready).split())
     assert group_members(pgid) == []
     assert not _alive(grandchild_pid)
+
+
+def test_second_signal_sigkills_a_running_child_at_once(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A second signal while the child runs escalates to SIGKILL at once instead of
+    waiting for the (60 s) grace deadline; the manager still exits 128+first signal."""
+    ready = tmp_path / "ready"
+    child = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    manager = subprocess.Popen(
+        [CLI, "run", "--shutdown-grace-seconds", "60", "--", PY, "-c", child], env=env
+    )
+    pid = int(_wait_for(ready))
+    try:
+        manager.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # let the first signal be handled, so the two do not merge
+        started = time.monotonic()
+        manager.send_signal(signal.SIGTERM)
+        assert manager.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 10.0
+        assert not _alive(pid)
+    finally:
+        if manager.poll() is None:
+            manager.kill()
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_group_cleanup_shares_the_grace_deadline(env: dict[str, str], tmp_path: Path) -> None:
+    """Cleanup of the child's group keeps the deadline set by the signal: a child that
+    exits just before it, leaving a SIGTERM-ignoring grandchild, does not get a fresh grace
+    period, so shutdown takes about one grace (1 s), not two."""
+    ready, armed = tmp_path / "ready", tmp_path / "armed"
+    grandchild = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(armed)!r}, 'w').write('1'); time.sleep(120)"
+    )
+    child = (
+        "import os, signal, subprocess, sys, time\n"
+        "def on(s, f):\n    time.sleep(0.9); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on)\n"
+        f"p = subprocess.Popen([{PY!r}, '-c', {grandchild!r}])\n"
+        f"while not os.path.exists({str(armed)!r}):\n    time.sleep(0.01)\n"
+        f"open({str(ready)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}')\n"
+        "time.sleep(120)\n"
+    )
+    manager = subprocess.Popen(
+        [CLI, "run", "--shutdown-grace-seconds", "1", "--", PY, "-c", child], env=env
+    )
+    pgid, grandchild_pid = (int(x) for x in _wait_for(ready).split())
+    try:
+        started = time.monotonic()
+        manager.send_signal(signal.SIGTERM)
+        assert manager.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 1.6  # a fresh grace would take about 1.9 s
+        assert not _alive(grandchild_pid)
+        assert group_members(pgid) == []
+    finally:
+        if manager.poll() is None:
+            manager.kill()
+        if group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def test_supervise_restores_the_previous_signal_handlers() -> None:
+    """In-process ``supervise`` puts back the handlers it replaced for SIGTERM, SIGINT and
+    SIGHUP once the child has exited."""
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {signum: signal.getsignal(signum) for signum in forwarded}
+    try:
+        assert supervise(["true"], dict(os.environ), grace=1.0) == 0
+        assert {signum: signal.getsignal(signum) for signum in forwarded} == before
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def test_dry_run_starts_nothing(env: dict[str, str], tmp_path: Path) -> None:
@@ -291,6 +386,15 @@ def test_scalar_option_rules() -> None:
     ]
     with pytest.raises(ValueError, match="--speculative-config requires a JSON object"):
         merge_option(["v", "--speculative-config"], "--speculative-config", spec, is_json=True)
+
+
+def test_merge_flag_keeps_a_flag_the_caller_gave() -> None:
+    """``merge_flag`` appends a missing flag once and leaves a command that already has it
+    unchanged (no duplicate)."""
+    flag = "--scheduler-reserve-output-budget"
+    assert merge_flag(["vllm", "serve"], flag) == ["vllm", "serve", flag]
+    given_flag = ["vllm", flag, "serve"]
+    assert merge_flag(given_flag, flag) == given_flag
 
 
 _JSON = st.recursive(
