@@ -205,3 +205,11 @@ def test_no_argument_constructor_reads_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("BIDKV_UTILITY_STRATEGY", "static-random")
     policy = BidkvPreemptionPolicy()
     assert policy.config.is_active and policy.strategy.name == "static-random"
+
+
+def test_empty_environment_boolean_means_false() -> None:
+    """An empty boolean variable (``BIDKV_UTILITY_ENABLE=``, as a shell leaves an unset
+    value) reads as false, not as an error."""
+    config = BidKVConfig.from_sources(None, {"BIDKV_UTILITY_ENABLE": ""})
+    assert config.enabled is False and not config.is_active
+    assert BidKVConfig.from_sources(None, {"BIDKV_UTILITY_KILL_SWITCH": ""}).kill_switch is False

@@ -401,3 +401,48 @@ def test_an_instance_is_loaded_by_the_hosts_rule(caplog: pytest.LogCaptureFixtur
         load_policy(WithFactory, engine)  # a class is the intended route: no warning
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "is an instance of" in warning.getMessage() and "WithFactory" in warning.getMessage()
+
+
+class FarHint:
+    """Names a valid candidate but hints an index far out of range (negative)."""
+
+    victim_index_hint = -10
+
+    def select_victim(self, context: PreemptionContext) -> str:
+        return "a"
+
+
+def test_an_out_of_range_negative_hint_still_selects() -> None:
+    """The hint is only a shortcut: an out-of-range one (here -10 for three candidates)
+    is ignored, the id is looked up, and a valid id counts as a selection."""
+    controller = PolicyController(FarHint())
+    assert controller.select_victim(three()) == "a"
+    s = controller.export_stats()
+    assert (s["selections"], s["invalid_selections"], s["failures"]) == (1, 0, 0)
+    assert s["enabled"] is True
+
+
+class FactsOnly:
+    """Defines select_victim_with_facts but no wants_host_facts attribute."""
+
+    def __init__(self) -> None:
+        self.facts: list[object] = []
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        raise AssertionError("select_victim_with_facts must be called when facts are given")
+
+    def select_victim_with_facts(self, context: PreemptionContext, facts: object) -> str:
+        self.facts.append(facts)
+        return "a"
+
+
+def test_wants_host_facts_defaults_to_true_for_a_facts_method() -> None:
+    """A policy that defines select_victim_with_facts wants host facts unless its
+    wants_host_facts says otherwise: the host computes them and that method receives them."""
+    policy = FactsOnly()
+    controller = PolicyController(policy)
+    assert controller.wants_facts is True
+    facts = object()
+    assert controller.select_victim(three(), facts) == "a"  # type: ignore[arg-type]
+    assert policy.facts == [facts]
+    assert PolicyController(Fixed("a")).wants_facts is False  # no facts method, no facts

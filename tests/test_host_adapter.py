@@ -123,6 +123,8 @@ def test_every_context_matches_running_and_stock_rule(
 def test_scheduled_victim_is_rolled_back_and_frees_exclusive_blocks(
     vllm_offline: ModuleType, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A victim already scheduled this step gives back its token *and* input budget, its
+    scheduled entry and new blocks; the loop index is corrected (contract section 13)."""
     policy = Recorder(choose="0")  # "0" is already scheduled when "1" fails to allocate
     scheduler = _pressured(vllm_offline, make_scheduler, policy)
     victim = scheduler.requests["0"]
@@ -138,10 +140,14 @@ def test_scheduled_victim_is_rolled_back_and_frees_exclusive_blocks(
         return result
 
     monkeypatch.setattr(scheduler, "_preempt_request", measured)
-    # Two tokens of budget: "2" is scheduled only if the victim's token is given back and
-    # the loop index is corrected after removing an entry before the requester.
+    # Two tokens of budget, token and input budget alike: "2" is scheduled only if the
+    # victim's token is given back to both and the loop index is corrected after removing
+    # an entry before the requester.
     scheduler.max_num_scheduled_tokens = 2
+    batched = scheduler.scheduler_config.max_num_batched_tokens
+    scheduler.scheduler_config.max_num_batched_tokens = 2
     out = scheduler.schedule()
+    scheduler.scheduler_config.max_num_batched_tokens = batched
 
     assert len(policy.contexts) == 1
     assert out.preempted_req_ids == {"0"}
@@ -289,3 +295,31 @@ def test_facts_not_computed_for_plain_policies(
     monkeypatch.setattr(scheduler, "_host_facts", boom)
     _step(vllm_offline, scheduler)
     assert len(policy.contexts) == 1
+
+
+def test_no_policy_path_still_guards_the_thread(
+    vllm_offline: ModuleType, make_scheduler: Any
+) -> None:
+    """With no policy in charge the adapter skips the context but keeps the contract's
+    single-thread guard (section 5): a victim asked for from another thread raises."""
+    import threading
+
+    scheduler = make_scheduler(num_gpu_blocks=48)
+    assert not scheduler.controller.enabled
+    _three_requests(vllm_offline, scheduler)
+    _step(vllm_offline, scheduler)
+    requester = scheduler.running[0]
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            scheduler._bidkv_select_victim(requester, 0.0, 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "scheduler thread" in str(errors[0])
+    assert scheduler._bidkv_select_victim(requester, 0.0, 1) is scheduler.running[-1]

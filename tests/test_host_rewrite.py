@@ -12,8 +12,10 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -125,11 +127,11 @@ def _rename_block(tree: ast.Module) -> None:
             node.value = "schedule: allocate"
 
 
-def _drop_rollback_name(tree: ast.Module) -> None:
+def _drop_rollback_name(tree: ast.Module, name: str = "input_budget") -> None:
     removal = _priority_ifs(tree)[1]
     for node in ast.walk(removal):
-        if isinstance(node, ast.Name) and node.id == "input_budget":
-            node.id = "other_budget"
+        if isinstance(node, ast.Name) and node.id == name:
+            node.id = "other_name"
 
 
 def _remove_priority_branch(tree: ast.Module) -> None:
@@ -163,3 +165,112 @@ def test_non_matching_shape_names_the_statement(
 def test_source_that_does_not_parse(rewrite: ModuleType) -> None:
     with pytest.raises(rewrite.UnsupportedHostError, match="does not parse"):
         rewrite.rewrite_schedule_source("def schedule(self:\n", version="0.33.0")
+
+
+# Every local the PRIORITY removal must roll back, spelled out here (not read from the
+# module) so that dropping one from the rewriter's list is caught.
+ROLLBACK_NAMES = (
+    "req_index",
+    "scheduled_running_reqs",
+    "num_scheduled_tokens",
+    "token_budget",
+    "input_budget",
+    "draft_slots",
+    "req_to_new_blocks",
+    "scheduled_spec_decode_tokens",
+    "scheduled_encoder_inputs",
+    "encoder_compute_budget",
+)
+
+
+@pytest.mark.parametrize("name", ROLLBACK_NAMES)
+def test_each_rollback_name_is_required(
+    rewrite: ModuleType, schedule_tree: Callable[[], ast.Module], name: str
+) -> None:
+    """A PRIORITY removal that no longer rolls back any one of these locals is refused,
+    naming it: the rewrite makes that body unconditional, so each rollback must be there."""
+    assert set(rewrite._ROLLBACK_NAMES) <= set(ROLLBACK_NAMES)  # keep this list complete
+    tree = schedule_tree()
+    _drop_rollback_name(tree, name)
+    message = rf"rollback .* does not use {name} \(supported"
+    with pytest.raises(rewrite.UnsupportedHostError, match=message):
+        rewrite.rewrite_schedule_source(ast.unparse(tree), version="0.33.0")
+
+
+def _fake_dist(root: Path, name: str, files: dict[str, str]) -> None:
+    """A minimal installed distribution under ``root``: METADATA and a RECORD of
+    ``path -> hash``."""
+    info = root / f"{name.replace('-', '_')}-0.33.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.33.0\n")
+    (info / "RECORD").write_text("".join(f"{path},{digest},\n" for path, digest in files.items()))
+
+
+def _place_scheduler(root: Path, text: bytes) -> Path:
+    path = root / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(text)
+    return path
+
+
+def _installed_scheduler_bytes() -> bytes:
+    spec = importlib.util.find_spec("vllm.v1.core.sched.scheduler")
+    assert spec is not None and spec.origin is not None
+    return Path(spec.origin).read_bytes()
+
+
+FAKE_DIST = "bidkv-probe-vllm"
+SCHEDULER_FILE = "vllm/v1/core/sched/scheduler.py"
+
+
+def test_edited_install_of_the_pinned_release_is_refused(
+    rewrite: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file itself is hashed: an install whose RECORD carries the pinned hash but whose
+    scheduler file was edited afterwards is refused as modified."""
+    pinned = rewrite.SUPPORTED_VERSIONS["0.33.0"].scheduler_record_hash
+    _fake_dist(tmp_path, FAKE_DIST, {SCHEDULER_FILE: pinned})
+    edited = _place_scheduler(tmp_path, _installed_scheduler_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    with pytest.raises(rewrite.UnsupportedHostError, match="was modified"):
+        rewrite.check_host("0.33.0", distribution=FAKE_DIST, scheduler_file=edited)
+
+
+def test_only_the_distribution_owning_the_file_vouches_for_it(
+    rewrite: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of several metadata directories claiming the name, only the one whose RECORD lists
+    the imported file counts: another one's pinned hash does not vouch for it."""
+    genuine = _installed_scheduler_bytes()
+    pinned = rewrite.SUPPORTED_VERSIONS["0.33.0"].scheduler_record_hash
+    other, owner = tmp_path / "other", tmp_path / "owner"
+    # First on the path: a directory with the pinned hash and its own (genuine) file.
+    _fake_dist(other, FAKE_DIST, {SCHEDULER_FILE: pinned})
+    _place_scheduler(other, genuine)
+    # The owner of the imported file records that file's real (different) hash.
+    imported = _place_scheduler(owner, genuine + b"\n# another release\n")
+    _fake_dist(owner, FAKE_DIST, {SCHEDULER_FILE: rewrite._record_hash_of(imported)})
+    monkeypatch.setattr(sys, "path", [str(other), str(owner), *sys.path])
+    with pytest.raises(rewrite.UnsupportedHostError, match=r"RECORD hash sha256=\S+ != pinned"):
+        rewrite.check_host("0.33.0", distribution=FAKE_DIST, scheduler_file=imported)
+    # Owned by nobody: the other directory's entry does not vouch either.
+    lone = _place_scheduler(tmp_path / "lone", genuine)
+    with pytest.raises(rewrite.UnsupportedHostError, match="no RECORD hash"):
+        rewrite.check_host("0.33.0", distribution=FAKE_DIST, scheduler_file=lone)
+
+
+def test_rewritten_schedule_keeps_the_installed_line_numbers(
+    rewrite: ModuleType, vllm_offline: ModuleType
+) -> None:
+    """Line numbers are shifted to the installed file, so tracebacks through the
+    rewritten schedule point at the real vLLM lines."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from bidkv_ext.hosts.vllm import PolicyScheduler
+
+    first_line = inspect.getsourcelines(Scheduler.schedule)[1]
+    assert first_line > 1
+    built = rewrite.build_schedule(Scheduler.schedule, Scheduler.schedule.__globals__,
+                                   version="0.33.0")
+    assert built.__code__.co_firstlineno == first_line
+    assert PolicyScheduler.schedule.__code__.co_firstlineno == first_line
