@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+
+
+def raised_in_another_thread(call: Callable[[], object]) -> BaseException | None:
+    """What ``call`` raises when made from a thread other than this one (None if nothing)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return errors[0] if errors else None
 
 
 def cand(

@@ -6,14 +6,13 @@ Mirrors the conformance checklist of preemption-contract.md section 13, items 1-
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import pytest
 
 from bidkv_ext.contract import PreemptionContext
 from bidkv_ext.controller import PolicyController, builtin_victim_id, load_policy
-from tests.policy_helpers import cand, ctx
+from tests.policy_helpers import cand, ctx, raised_in_another_thread
 
 KEYS = ["policy_name", "enabled", "calls", "selections", "abstentions", "failures",
         "invalid_selections"]
@@ -200,39 +199,16 @@ def test_exception_disables_for_good(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_wrong_thread_raises_and_counts_nothing() -> None:
     controller = PolicyController(Fixed("a"))
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            controller.select_victim(three())
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
-    assert str(errors[0]) == "PreemptionPolicyController must be used by its scheduler thread"
+    error = raised_in_another_thread(lambda: controller.select_victim(three()))
+    assert isinstance(error, RuntimeError)
+    assert str(error) == "PreemptionPolicyController must be used by its scheduler thread"
     assert controller.export_stats()["calls"] == 0
-    none = PolicyController(None)
-    t = threading.Thread(target=other)
-    controller = none
-    t.start()
-    t.join()
-    assert len(errors) == 2
+    none = PolicyController(None)  # the guard applies even with no policy configured
+    assert isinstance(raised_in_another_thread(lambda: none.select_victim(three())),
+                      RuntimeError)
     # The guard alone, for hosts that skip select_victim when no policy is in charge.
-    t = threading.Thread(target=lambda: _capture(errors, none.check_thread))
-    t.start()
-    t.join()
-    assert len(errors) == 3 and str(errors[2]) == str(errors[0])
+    assert str(raised_in_another_thread(none.check_thread)) == str(error)
     none.check_thread()  # the owner thread passes
-
-
-def _capture(errors: list[BaseException], call: Any) -> None:
-    try:
-        call()
-    except BaseException as exc:
-        errors.append(exc)
 
 
 def test_evidence_sink_failure_never_changes_the_victim(

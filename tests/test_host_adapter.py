@@ -21,6 +21,7 @@ import pytest
 
 from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
 from tests.conftest import drive_workload, seeded_workload
+from tests.policy_helpers import raised_in_another_thread
 
 BLOCK = 16
 SHARED = list(range(100, 132))  # two full blocks shared by requests "0" and "1"
@@ -302,24 +303,12 @@ def test_no_policy_path_still_guards_the_thread(
 ) -> None:
     """With no policy in charge the adapter skips the context but keeps the contract's
     single-thread guard (section 5): a victim asked for from another thread raises."""
-    import threading
-
     scheduler = make_scheduler(num_gpu_blocks=48)
     assert not scheduler.controller.enabled
     _three_requests(vllm_offline, scheduler)
     _step(vllm_offline, scheduler)
     requester = scheduler.running[0]
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            scheduler._bidkv_select_victim(requester, 0.0, 1)
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
-    assert "scheduler thread" in str(errors[0])
+    error = raised_in_another_thread(
+        lambda: scheduler._bidkv_select_victim(requester, 0.0, 1))
+    assert isinstance(error, RuntimeError) and "scheduler thread" in str(error)
     assert scheduler._bidkv_select_victim(requester, 0.0, 1) is scheduler.running[-1]

@@ -104,14 +104,19 @@ def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path, signum: 
     assert not _alive(pid)
 
 
-def test_child_ignoring_sigterm_is_killed_after_grace(env: dict[str, str], tmp_path: Path) -> None:
-    ready = tmp_path / "ready"
-    child = (
+def _ignoring_sigterm(ready: Path) -> str:
+    """A child program that ignores SIGTERM, writes its pid to ``ready`` and sleeps."""
+    return (
         "import os, signal, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(120)\n"
     )
+
+
+def test_child_ignoring_sigterm_is_killed_after_grace(env: dict[str, str], tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    child = _ignoring_sigterm(ready)
     manager = subprocess.Popen(
         [CLI, "run", "--shutdown-grace-seconds", "0.5", "--", PY, "-c", child], env=env
     )
@@ -177,12 +182,7 @@ def test_second_signal_sigkills_a_running_child_at_once(
     """A second signal while the child runs escalates to SIGKILL at once instead of
     waiting for the (60 s) grace deadline; the manager still exits 128+first signal."""
     ready = tmp_path / "ready"
-    child = (
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
-        "time.sleep(120)\n"
-    )
+    child = _ignoring_sigterm(ready)
     manager = subprocess.Popen(
         [CLI, "run", "--shutdown-grace-seconds", "60", "--", PY, "-c", child], env=env
     )
