@@ -89,21 +89,26 @@ def _recorded(bundle_id: str, dist: Distribution) -> set[PurePosixPath]:
         raise DiscoveryError(f"{bundle_id!r} distribution RECORD cannot be read") from error
 
 
-def _ships_module(bundle_id: str, dist: Distribution, module: str) -> bool:
+def _ships_module(dist: Distribution, recorded: set[PurePosixPath], module: str) -> bool:
     """Whether ``module``'s file (source, package or extension) exists, as ``dist``'s RECORD
     lists it or, for an editable install, in its source tree; nothing is imported."""
     *parents, leaf = module.split(".")
     folder = PurePosixPath(*parents)
     sources = [folder / f"{leaf}.py", folder / leaf / "__init__.py"]
-    listed = [p for p in _recorded(bundle_id, dist) if p in sources or (
+    listed = [p for p in recorded if p in sources or (
         p.parent == folder and p.name.startswith(f"{leaf}.") and p.suffix in (".so", ".pyd"))]
     if any(Path(str(dist.locate_file(str(p)))).is_file() for p in listed):
         return True
     return any((root / p).is_file() for root in _editable_roots(dist) for p in sources)
 
 
-def _check_plugins(bundle_id: str, dist: Distribution, dist_name: str, manifest: Manifest
-                   ) -> None:
+def _check_plugins(
+    bundle_id: str,
+    dist: Distribution,
+    dist_name: str,
+    recorded: set[PurePosixPath],
+    manifest: Manifest,
+) -> None:
     """Each declared vLLM plugin entry point is the bundle's own (the newer managers' rule):
     published by its distribution, with the target module in it. Otherwise the bundle would
     put a plugin name in ``VLLM_PLUGINS`` that vLLM never finds, and silently not activate.
@@ -117,22 +122,17 @@ def _check_plugins(bundle_id: str, dist: Distribution, dist_name: str, manifest:
         found = published.get((ref.group, ref.name))
         if found is None:
             raise DiscoveryError(f"{where} is not published by distribution {dist_name!r}")
-        if not _ships_module(bundle_id, dist, found.module):
+        if not _ships_module(dist, recorded, found.module):
             raise DiscoveryError(
                 f"{where} targets module {found.module!r}, which distribution {dist_name!r} "
                 "does not contain"
             )
 
 
-def _manifest_path(registration: EntryPoint) -> Path:
-    name = registration.name
-    if not _STATIC_DIRECTORY.fullmatch(registration.value):
-        raise DiscoveryError(f"{name!r} must register a static module directory")
-    dist = registration.dist
-    if dist is None:
-        raise DiscoveryError(f"{name!r} has no distribution metadata")
-    wanted = [PurePosixPath(*registration.value.split("."), f) for f in MANIFEST_FILENAMES]
-    recorded = _recorded(name, dist)
+def _manifest_path(
+    name: str, directory: str, dist: Distribution, recorded: set[PurePosixPath]
+) -> Path:
+    wanted = [PurePosixPath(*directory.split("."), f) for f in MANIFEST_FILENAMES]
     matches = [Path(str(dist.locate_file(str(p)))) for p in wanted if p in recorded]
     if not matches:
         # Editable installs record only a finder/.pth; the files live in the source tree.
@@ -155,14 +155,18 @@ def _load(registration: EntryPoint) -> InstalledBundle:
         raise DiscoveryError(f"{bundle_id!r} distribution METADATA cannot be read") from error
     if not isinstance(dist_name, str) or not dist_name:
         raise DiscoveryError(f"{bundle_id!r} has no distribution name")
-    path = _manifest_path(registration)
+    if not _STATIC_DIRECTORY.fullmatch(registration.value):
+        raise DiscoveryError(f"{bundle_id!r} must register a static module directory")
+    # One reading of the RECORD serves the manifest and the plugin modules.
+    recorded = _recorded(bundle_id, dist)
+    path = _manifest_path(bundle_id, registration.value, dist, recorded)
     try:
         manifest, raw = load_manifest(path)
     except ManifestError as error:
         raise DiscoveryError(f"{bundle_id!r} manifest is invalid: {error}") from error
     if manifest.extension_id != bundle_id:
         raise DiscoveryError(f"registration {bundle_id!r} does not match {manifest.extension_id!r}")
-    _check_plugins(bundle_id, dist, dist_name, manifest)
+    _check_plugins(bundle_id, dist, dist_name, recorded, manifest)
     return InstalledBundle(bundle_id, dist_name, dist.version, path, manifest, raw)
 
 
