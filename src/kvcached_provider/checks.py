@@ -428,10 +428,10 @@ def _config_file_options(command: Sequence[str]) -> list[str]:
     (missing, unreadable, another suffix, not a mapping) gives nothing: that launch fails
     before kvcached matters.
     """
-    args = list(command)
-    if "--config" not in args or args.index("--config") + 1 >= len(args):
+    try:
+        path = command[list(command).index("--config") + 1]
+    except (ValueError, IndexError):  # no --config, or nothing after it
         return []
-    path = args[args.index("--config") + 1]
     if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
         return []
     try:
