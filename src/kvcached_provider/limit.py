@@ -29,9 +29,11 @@ Where the API is called
       applies from its next poll on. Whatever kvcached raises (``QuarantinedResizeError``
       when quarantined pages block the resize, ``StateConsistencyError``...) is answered as
       ``rejected`` with kvcached's reason, never left unanswered.
-    The mailbox transport has been exercised with fake kvcached modules written from
-    kvcached 0.1.6's source; it has not run against a real kvcached engine (kvcached cannot
-    be installed on our CPU CI).
+    CI exercises the mailbox transport with fake kvcached modules written from kvcached
+    0.1.6's source (kvcached cannot be installed on our CPU CI).
+    ``tests/test_kvcached_real.py`` runs it on a GPU against a real kvcached 0.1.6 pool,
+    registered as kvcached's vLLM integration registers it. It has not run inside a vLLM
+    EngineCore.
 
 Revisions
     One counter per instance name, persisted atomically under a file lock in the state

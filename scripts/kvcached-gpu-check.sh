@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs tests/test_kvcached_real.py against a real kvcached on a CUDA machine.
+#
+#   bash scripts/kvcached-gpu-check.sh KVCACHED_SDIST_DIR [WHEEL_DIR] [PYTEST ARGS...]
+#
+# KVCACHED_SDIST_DIR: an unpacked kvcached sdist (0.1.6 is the version the provider follows);
+# its extension is built in place against the machine's CUDA torch (>= 2.10).
+# WHEEL_DIR: optional wheels for what the machine lacks (pydantic, platformdirs, posix_ipc...),
+# installed into a private directory, for machines that cannot reach a package index.
+# Nothing is installed into the machine's Python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SDIST=$(cd "${1:?usage: kvcached-gpu-check.sh KVCACHED_SDIST_DIR [WHEEL_DIR] [PYTEST ARGS...]}" && pwd)
+PY=${PYTHON:-python3}
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+if [ -n "${2:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$2"/*.whl
+fi
+export PYTHONPATH="$SITE"
+build() { (cd "$SDIST" && rm -rf build && MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py -q build_ext --inplace >/dev/null); }
+# Constructing a page allocator is the first thing that runs kvcached's C++ (it prints via
+# std::cout); an extension built by one compiler and run on another's libstdc++ crashes here.
+smoke() {
+  "$PY" -c 'from kvcached.vmm_ops import PageAllocator
+PageAllocator(1, 2 << 20, 2 << 20, 1, 0, False, True, False, 2, 0, "kvcached_gpu_check_smoke")' \
+    >/dev/null 2>&1
+  local rc=$?
+  rm -f /dev/shm/kvcached_gpu_check_smoke
+  return $rc
+}
+build
+export PYTHONPATH="$SDIST:$PWD/src:$PWD:$SITE"
+if ! smoke; then
+  CXX_USED=$(command -v "${CXX:-c++}" || true)
+  LIBSTDCXX=$("${CXX_USED:-c++}" -print-file-name=libstdc++.so.6 2>/dev/null || true)
+  echo "kvcached's extension crashed at start; retrying with $LIBSTDCXX preloaded" >&2
+  export LD_PRELOAD="$LIBSTDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
+  if ! smoke; then
+    unset LD_PRELOAD
+    echo "still crashing; rebuilding with /usr/bin/g++" >&2
+    export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+    build
+    smoke || { echo "kvcached's extension does not run on this machine" >&2; exit 1; }
+  fi
+fi
+"$PY" -c 'import kvcached, torch; print("kvcached", kvcached.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+exec "$PY" -m pytest -p no:cacheprovider --noconftest -q -ra tests/test_kvcached_real.py "${@:3}"
