@@ -420,44 +420,31 @@ def _multimodal_scheduler(
     """``PolicyScheduler`` for the BAGEL config: 48 tokens per step, prefill chunks of 16,
     admission by first chunk (``scheduler_reserve_full_isl=False``), so KV runs out on a
     chunk boundary."""
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    import dataclasses
 
-    model_config = ModelConfig(model=str(model_dir), dtype="float16", seed=42, max_model_len=1024)
-    scheduler_config = SchedulerConfig(
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    base, kv_cache_config = offline.build_vllm_config(
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=BLOCK,
         max_num_seqs=8,
         max_num_batched_tokens=48,
         max_model_len=1024,
-        enable_chunked_prefill=True,
+    )
+    model_config = ModelConfig(model=str(model_dir), dtype="float16", seed=42, max_model_len=1024)
+    scheduler_config = dataclasses.replace(
+        base.scheduler_config,
         long_prefill_token_threshold=16,
         scheduler_reserve_full_isl=False,
+        max_model_len=1024,  # init-only fields must be given again
         is_encoder_decoder=model_config.is_encoder_decoder,
-        watermark=0.0,
-    )
-    cache_config = CacheConfig(
-        block_size=BLOCK,
-        gpu_memory_utilization=0.9,
-        cache_dtype="auto",
-        enable_prefix_caching=True,
     )
     vllm_config = VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=base.cache_config,
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = num_gpu_blocks
     register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
     return offline.build_scheduler(
         vllm_config, kv_cache_config, preemption_policy=preemption_policy
