@@ -535,6 +535,8 @@ BROKEN_ID = "org.test.broken"
     ({"RECORD": b"\xff\n"}, "distribution RECORD cannot be read"),
     ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
     ({"manifest": b"[" * 100_000 + b"]" * 100_000}, "manifest cannot be read as JSON"),
+    # An integer over the int/str digit limit: json.loads raises a plain ValueError.
+    ({"manifest": b'{"schema_version": 1' + b"0" * 5000 + b"}"}, "manifest cannot be read as JSON"),
 ])
 def test_one_damaged_bundle_is_a_diagnostic_not_a_failure(
     isolated: Path, capsys: pytest.CaptureFixture[str], damage: dict[str, bytes], error: str

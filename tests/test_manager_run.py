@@ -291,6 +291,14 @@ def _invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             ["run", "--shutdown-grace-seconds", "nan", "--", "true"],
             "--shutdown-grace-seconds must be >= 0",
         ),
+        # A deadline at infinity is never reached: a SIGTERM-ignoring child would live on.
+        *(
+            (
+                ["run", f"--shutdown-grace-seconds={value}", "--", "true"],
+                "--shutdown-grace-seconds must be >= 0 and finite",
+            )
+            for value in ("inf", "-inf", "1e400", "infinity")
+        ),
         (["run", "--", "/nonexistent/binary"], "No such file or directory"),
         (["run", "--bogus"], "unrecognized arguments"),
     ],
@@ -352,6 +360,11 @@ def test_additional_config_merges_in_place_in_both_forms(inline: bool) -> None:
         (["vllm", "--additional-config"], "--additional-config requires a JSON object"),
         (["vllm", "--additional-config", "[1]"], "--additional-config must contain a JSON object"),
         (["vllm", "--additional-config={bad"], "--additional-config must contain a JSON object"),
+        # Over the int/str digit limit json.loads raises a plain ValueError: still "not JSON".
+        (
+            ["vllm", "--additional-config", '{"b": 1' + "0" * 5000 + "}"],
+            "--additional-config must contain a JSON object",
+        ),
         (
             ["vllm", "--additional-config", '{"a": 2}'],
             "plugin activation conflicts with additional_config keys: ['a']",
@@ -387,6 +400,18 @@ def test_scalar_option_rules() -> None:
     ]
     with pytest.raises(ValueError, match="--speculative-config requires a JSON object"):
         merge_option(["v", "--speculative-config"], "--speculative-config", spec, is_json=True)
+
+
+def test_an_oversized_integer_in_a_json_option_is_a_conflict_not_a_crash() -> None:
+    huge = "1" + "0" * 5000
+    with pytest.raises(ValueError, match="extension activation conflicts with --kv"):
+        merge_option(["vllm", "--kv", huge], "--kv", {"a": 1}, is_json=True)
+
+
+def test_supervise_refuses_a_grace_it_could_never_reach() -> None:
+    for grace in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="--shutdown-grace-seconds must be >= 0 and finite"):
+            supervise(["true"], dict(os.environ), grace=grace)
 
 
 def test_merge_flag_keeps_a_flag_the_caller_gave() -> None:

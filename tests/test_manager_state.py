@@ -4,6 +4,10 @@ Guards: writes are schema 2, sorted, mode 0600 and atomic; schema 1 is migrated 
 next write; a corrupt or unknown-schema file is refused with exit 2 and left byte-for-byte
 untouched by every mutating verb; 20 manager processes enabling, disabling and
 configuring different ids at the same moment lose none of their updates (the lock file).
+Bad input is one error line naming the file or variable: JSON the parser rejects with a
+plain ValueError (an over-long integer), NaN/Infinity in the state or a configuration
+file, unknown top-level keys, a whitespace-only ``VLLM_HUST_EXT_CONFIG``; a symlinked
+state file stays a link and its target gets the new state.
 """
 
 from __future__ import annotations
@@ -162,10 +166,23 @@ CORRUPT = [
         '{"schema_version": 2, "extensions": {"x": {"configuration": []}}}',
         "extension 'x' configuration must be an object",
     ),
+    # json.loads raises a plain ValueError (no JSONDecodeError) past the int digit limit.
+    ('{"schema_version": 2' + "0" * 5000 + "}", "is not valid JSON: Exceeds the limit"),
+    # NaN is not JSON: the file could not be written back as standard JSON.
+    (
+        '{"schema_version": 2, "extensions": {"x": {"configuration": {"a": NaN}}}}',
+        "is not valid JSON: NaN is not a finite number",
+    ),
+    # Unknown top-level keys are refused like unknown entry keys, not dropped on rewrite.
+    (
+        '{"schema_version": 2, "future_field": {"keep": "me"}, "extensions": {}}',
+        "has unknown keys: ['future_field']",
+    ),
+    ('{"schema_version": 1, "enabled": [], "extra": 1}', "has unknown keys: ['extra']"),
 ]
 
 
-@pytest.mark.parametrize(("text", "message"), CORRUPT, ids=[m for _, m in CORRUPT])
+@pytest.mark.parametrize(("text", "message"), CORRUPT, ids=[m[:60] for _, m in CORRUPT])
 @pytest.mark.parametrize("verb", ["enable", "disable", "forget", "status", "configure"])
 def test_bad_state_is_refused_and_never_overwritten(
     config: Path,
@@ -187,6 +204,93 @@ def test_bad_state_is_refused_and_never_overwritten(
     assert code == 2
     assert message in err.splitlines()[-1]
     assert config.read_bytes() == before
+
+
+def _cli(config: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "VLLM_HUST_EXT_CONFIG": config}
+    return subprocess.run(
+        [CLI, *argv], env=environment, cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def _one_error_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("vllm-hust-ext: error: ")
+    return last
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "message"),
+    [
+        (
+            '{"schema_version": 2' + "0" * 5000 + "}",
+            ["extension", "list"],
+            "is not valid JSON: Exceeds the limit (4300 digits)",
+        ),
+        (
+            '{"schema_version": 2, "future_field": {"keep": "me"}, "extensions": {}}',
+            ["extension", "disable", "org.vllm-hust.kvcached"],
+            "has unknown keys: ['future_field']",
+        ),
+    ],
+    ids=["oversized-integer", "unknown-top-level-key"],
+)
+def test_a_bad_state_file_is_named_by_the_console_script(
+    tmp_path: Path, text: str, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    line = _one_error_line(_cli(str(path), argv, tmp_path))
+    assert f"vllm-hust-ext config {path} {message}" in line
+    assert path.read_text() == text
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_configure_refuses_non_finite_numbers(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, literal: str
+) -> None:
+    settings = tmp_path / "f.json"
+    settings.write_text(f'{{"foo": {literal}}}')
+    code, out, err = invoke(
+        ["extension", "configure", "org.test.a", "--file", str(settings)], capsys
+    )
+    assert code == 2 and out == ""
+    assert f"extension configuration file {settings} " in err.splitlines()[-1]
+    assert "finite" in err.splitlines()[-1]
+    assert not config.exists()
+
+
+def test_the_state_file_is_never_written_with_a_non_finite_number(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    state = state_module.State(
+        extensions={"x": state_module.ExtensionState(configuration={"a": float("nan")})}
+    )
+    with pytest.raises(ValueError, match="cannot hold non-finite numbers"):
+        state_module.write_state(state, path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_whitespace_only_config_variable_is_refused(tmp_path: Path) -> None:
+    """``Path(" ")`` would be a file named " " in the working directory."""
+    line = _one_error_line(_cli(" ", ["extension", "enable", "org.vllm-hust.kvcached"], tmp_path))
+    assert "VLLM_HUST_EXT_CONFIG must be a path" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlinked_state_file_stays_a_link_and_its_target_is_updated(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = tmp_path / "elsewhere" / "real.json"
+    target.parent.mkdir()
+    target.write_text(json.dumps({"schema_version": 2, "extensions": {}}))
+    config.parent.mkdir(parents=True)
+    config.symlink_to(target)
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    assert config.is_symlink() and config.resolve() == target
+    assert load_state(target).is_enabled("org.test.a")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert _temp_files(config) == [] and _temp_files(target) == []
 
 
 def _seeded(config: Path) -> bytes:

@@ -214,6 +214,20 @@ def test_recycled_pid_and_disabled_event_are_not_effective(
     assert "runtime_effective" not in status("org.test.p", capsys)["states"]
 
 
+def test_an_oversized_integer_line_is_skipped_like_any_corrupt_line(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An integer over the int/str digit limit makes json.loads raise a plain ValueError;
+    that line is no evidence, and the valid line after it still is."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    line = evidence_line("effective", {}, {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"})
+    line["extension_id"] = "org.test.p"
+    huge = '{"pid": 1' + "0" * 5000 + "}"
+    (tmp_path / "evidence.jsonl").write_text(huge + "\n" + json.dumps(line) + "\n")
+    assert status("org.test.p", capsys)["states"][-1] == "runtime_effective"
+
+
 # --- bundle checks --------------------------------------------------------------------
 
 

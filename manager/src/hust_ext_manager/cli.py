@@ -16,10 +16,12 @@ from typing import Any, NoReturn
 
 from hust_ext_manager import __version__, provider
 from hust_ext_manager.discovery import InstalledBundle, discover, discover_tolerant
+from hust_ext_manager.jsonio import JSONInputError, load_json
 from hust_ext_manager.launch import (
     ENABLED_BUNDLES_ENV,
     NATIVE_ENVIRONMENT,
     LaunchPlan,
+    check_grace,
     ignoring_signals,
     merge_additional_config,
     merge_flag,
@@ -234,10 +236,12 @@ def _forget(bundle_id: str) -> None:
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
     try:
-        configuration = json.loads(Path(file).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        # finite: NaN/Infinity would make the state file non-standard JSON.
+        configuration = load_json(Path(file).read_text(encoding="utf-8"), finite=True)
+    except (UnicodeDecodeError, JSONInputError) as error:
         raise ValueError(
-            f"extension configuration file {file} is not valid UTF-8 JSON: {error}"
+            f"extension configuration file {file} is not valid UTF-8 JSON with finite "
+            f"numbers: {error}"
         ) from error
     if not isinstance(configuration, dict):
         raise ValueError("extension configuration file must contain an object")
@@ -424,8 +428,7 @@ def build_launch(
 
 
 def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:
-    if not grace >= 0:  # also refuses NaN, which never reaches a deadline
-        raise ValueError("--shutdown-grace-seconds must be >= 0")
+    check_grace(grace)
     launch, bundles, configurations = build_launch(raw_command)
     if dry_run:
         _dump(launch.dry_run_document(), sort_keys=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,10 +22,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hust_ext_manager.jsonio import JSONInputError, load_json
+
 __all__ = [
     "ENABLED_BUNDLES_ENV",
     "NATIVE_ENVIRONMENT",
     "LaunchPlan",
+    "check_grace",
     "group_members",
     "ignoring_signals",
     "merge_additional_config",
@@ -82,8 +86,8 @@ def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> li
     if value is None:
         raise ValueError("--additional-config requires a JSON object")
     try:
-        existing = json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
+        existing = load_json(value)
+    except JSONInputError:
         existing = None
     if not isinstance(existing, dict):
         raise ValueError("--additional-config must contain a JSON object")
@@ -111,8 +115,8 @@ def merge_option(command: list[str], option: str, value: object, *, is_json: boo
         )
     if is_json:
         try:
-            same = json.loads(existing) == value
-        except (json.JSONDecodeError, RecursionError):
+            same = load_json(existing) == value
+        except JSONInputError:
             same = False
     else:
         same = existing == value
@@ -160,6 +164,15 @@ def group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
             members.append(int(entry.name))
     return members
+
+
+def check_grace(grace: float) -> None:
+    """Refuse a grace period whose deadline is never reached (NaN, inf, 1e400).
+
+    With such a deadline a child that ignores SIGTERM would never be SIGKILLed.
+    """
+    if not (math.isfinite(grace) and grace >= 0):
+        raise ValueError("--shutdown-grace-seconds must be >= 0 and finite")
 
 
 def _killpg(pgid: int, signum: int) -> None:
@@ -224,6 +237,7 @@ class _Supervisor:
 
 def supervise(command: Sequence[str], environment: Mapping[str, str], grace: float) -> int:
     """Run ``command`` in a new session; forward signals; return its exit code (or 128+N)."""
+    check_grace(grace)
     supervisor = _Supervisor(grace)
     previous = {signum: signal.getsignal(signum) for signum in _FORWARDED}
     for signum in _FORWARDED:

@@ -22,6 +22,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict
 
+from hust_ext_manager.jsonio import JSONInputError, load_json
+
 __all__ = [
     "EXPERIMENTAL_SCHEMA",
     "RESERVED_QUALIFICATION_KEY",
@@ -587,8 +589,7 @@ def load_manifest(path: Path) -> tuple[Manifest, dict[str, Any]]:
     if not stat.S_ISREG(info.st_mode):
         raise ManifestError("manifest must be a regular non-symlink file")
     try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        # RecursionError: nesting deeper than the JSON parser can follow.
+        document = load_json(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, JSONInputError) as error:
         raise ManifestError("manifest cannot be read as JSON") from error
     return parse_manifest(document), document

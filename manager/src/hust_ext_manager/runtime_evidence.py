@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hust_ext_manager.jsonio import JSONInputError, load_json
 from hust_ext_manager.state import config_path
 
 __all__ = [
@@ -166,8 +167,8 @@ def _events(target: Path) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for raw in lines:
         try:
-            event = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            event = load_json(raw)
+        except JSONInputError:
             continue  # a torn or corrupt line is no evidence
         if isinstance(event, dict) and _bound(event):
             events.append(event)
