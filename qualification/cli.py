@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qualification.errors import QualificationError
-from qualification.profile import PROFILE_DIR, load_profile
+from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
 
 __all__ = ["main"]
 
@@ -52,8 +52,11 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from qualification.runner import ensure_out_dir, launch_plan, render_with_manager, run_profile
 
-    if args.repeats is not None and args.repeats < 1:
-        raise QualificationError(f"--repeats must be a positive integer, got {args.repeats}")
+    if args.repeats is not None and not 1 <= args.repeats <= MAX_REPEATS:
+        raise QualificationError(
+            f"--repeats {args.repeats} is invalid: expected an integer from 1 to {MAX_REPEATS} "
+            "(pairs per cell)"
+        )
     profile = load_profile(args.profile)
     if args.dry_run:
         plan = launch_plan(profile, repeats=args.repeats)

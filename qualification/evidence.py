@@ -104,10 +104,11 @@ def counters_from_evidence(path: Path) -> tuple[dict[str, int] | None, bool | No
     name: str | None = None
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
+            # Walked inside the try: a line nested just under json's limit overflows the walk.
+            found = list(_stats_objects(json.loads(line)))
+        except (ValueError, RecursionError):  # a torn line: the others still count
             continue
-        for stats in _stats_objects(event):
+        for stats in found:
             for key in COUNTER_NAMES:
                 value = stats.get(key)
                 if isinstance(value, int):

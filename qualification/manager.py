@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from qualification.errors import ManagerVerbError, QualificationError
+from qualification.errors import ManagerVerbError, QualificationError, unparsable_reason
 from qualification.profile import ManagerSpec
 
 __all__ = ["ManagerSession", "require_tool"]
@@ -124,8 +124,10 @@ class ManagerSession:
             raise QualificationError(f"vllm-hust-ext run --dry-run refused: {last}")
         try:
             rendered = json.loads(proc.stdout)
-        except json.JSONDecodeError as exc:
-            raise QualificationError(f"vllm-hust-ext run --dry-run printed no JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise QualificationError(
+                f"vllm-hust-ext run --dry-run printed no JSON: {unparsable_reason(exc)}"
+            ) from exc
         if not isinstance(rendered, dict):
             raise QualificationError("vllm-hust-ext run --dry-run printed a non-object")
         return rendered

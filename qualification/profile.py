@@ -25,11 +25,17 @@ from pydantic import (
     model_validator,
 )
 
-from qualification.errors import QualificationError
+from qualification.errors import QualificationError, unparsable_reason
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+# Pairs per cell. The spec asks for 3 and suggests >= 10 where time allows; each pair is two
+# full engine runs (minutes each on an accelerator), so 1000 pairs per cell is already weeks
+# of machine time. Above it a value is a typo, and an absurd one makes even `run --dry-run`
+# spin building a plan that lists every arm of every repeat.
+MAX_REPEATS = 1000
 
 __all__ = [
+    "MAX_REPEATS",
     "PROFILE_DIR",
     "CellSpec",
     "ManagerSpec",
@@ -181,7 +187,7 @@ class Profile(_Frozen):
     host_version: str | None = None
     tensor_parallel_size: int = Field(default=1, gt=0)
     execution_mode: str = "graph"
-    repeats: int = Field(default=3, gt=0)
+    repeats: int = Field(default=3, gt=0, le=MAX_REPEATS)
     manager: ManagerSpec = ManagerSpec()
     server: ServerSpec | None = None
     workload: WorkloadSpec = WorkloadSpec()
@@ -239,8 +245,10 @@ def load_profile(name_or_path: str) -> Profile:
     try:
         raw = path.read_bytes()
         data = tomllib.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise QualificationError(f"profile {path}: cannot be read as TOML ({exc})") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise QualificationError(
+            f"profile {path}: cannot be read as TOML ({unparsable_reason(exc)})"
+        ) from exc
     try:
         profile = Profile.model_validate(data)
         profile._source_sha256 = hashlib.sha256(raw).hexdigest()

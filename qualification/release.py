@@ -35,6 +35,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from qualification import RECORD_SCHEMA
+from qualification.errors import unparsable_reason
 
 __all__ = ["ReleaseCheck", "check_release"]
 
@@ -107,8 +108,11 @@ def _check_pyproject(root: Path, version: str, problems: list[str]) -> dict[str,
     path = root / "pyproject.toml"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        problems.append(f"{path}: cannot be read as TOML ({exc}); expected a UTF-8 TOML file")
+    except (OSError, ValueError, RecursionError) as exc:
+        problems.append(
+            f"{path}: cannot be read as TOML ({unparsable_reason(exc)}); "
+            "expected a UTF-8 TOML file"
+        )
         return {}
     project = _table(problems, data, "project")
     static = project.get("version")
@@ -155,8 +159,11 @@ def _load_manifests(
             continue
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            problems.append(f"{path}: cannot be read as JSON ({exc}); expected a UTF-8 JSON object")
+        except (OSError, ValueError, RecursionError) as exc:
+            problems.append(
+                f"{path}: cannot be read as JSON ({unparsable_reason(exc)}); "
+                "expected a UTF-8 JSON object"
+            )
             continue
         if not isinstance(doc, dict):
             problems.append(f"{path}: manifest is not a JSON object")
@@ -184,13 +191,18 @@ def _check_changelog(root: Path, version: str, problems: list[str]) -> None:
         problems.append(f"CHANGELOG.md has no released section '## [{version}]'")
 
 
-def _iter_records(dirs: Iterable[Path]) -> Iterable[tuple[Path, dict[str, object]]]:
+def _iter_records(
+    dirs: Iterable[Path], unreadable: list[str]
+) -> Iterable[tuple[Path, dict[str, object]]]:
+    """The records under ``dirs``; a ``*.json`` that cannot be parsed is added to
+    ``unreadable`` (it may be a damaged record, so it is named rather than dropped)."""
     for base in dirs:
         files = [base] if base.is_file() else sorted(base.rglob("*.json")) if base.is_dir() else []
         for path in files:
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            except (OSError, ValueError, RecursionError) as exc:
+                unreadable.append(f"{path.name} (cannot be read as JSON: {unparsable_reason(exc)})")
                 continue
             if isinstance(doc, dict) and doc.get("schema") == RECORD_SCHEMA:
                 yield path, doc
@@ -269,9 +281,9 @@ def check_release(root: Path, record_dirs: Sequence[Path]) -> ReleaseCheck:
         problems.append(f"{PRIMARY_BUNDLE} manifest: {PROFILE_KEY} must be an object")
         profile = None
 
-    records = list(_iter_records(record_dirs))
-    in_range: list[tuple[Path, dict[str, object]]] = []
     rejected: list[str] = []
+    records = list(_iter_records(record_dirs, rejected))
+    in_range: list[tuple[Path, dict[str, object]]] = []
     for path, doc in records:
         why = _record_in_range(doc, version, host_range)
         if why is None:

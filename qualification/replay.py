@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from qualification.errors import QualificationError
+from qualification.errors import QualificationError, unparsable_reason
 from qualification.manager import Arm, ManagerSession, require_tool
 from qualification.profile import CellSpec, Profile
 from qualification.verdict import COUNTER_NAMES, ArmResult
@@ -74,9 +74,10 @@ def read_report(path: Path) -> dict[str, object]:
     """The replay's ``report.json`` as a JSON object, or a QualificationError naming it."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise QualificationError(
-            f"bidkv-replay report {path}: cannot be read as JSON ({exc}); expected a JSON object"
+            f"bidkv-replay report {path}: cannot be read as JSON ({unparsable_reason(exc)}); "
+            "expected a JSON object"
         ) from None
     if not isinstance(doc, dict):
         kind = _JSON_KINDS.get(type(doc), "a number")

@@ -233,6 +233,26 @@ def test_shm_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 # ------------------------------------------------------------------ KVCACHED_IPC_NAME
 
 
+def test_shm_dir_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty means the default (not Path(""), the current directory); blank is refused."""
+    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", "")
+    assert checks.shm_dir() == Path("/dev/shm")
+    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", " \t")
+    with pytest.raises(checks.SettingError, match=r"KVCACHED_PROVIDER_SHM_DIR=' \\t' is"):
+        checks.shm_dir()
+    ok, line = checks.check_shm_writable()
+    assert not ok and line == (
+        "KVCACHED_PROVIDER_SHM_DIR=' \\t' is invalid: expected a directory path, or the "
+        "variable unset or empty for the default /dev/shm")
+    assert checks.check_ipc_name("inst1") == [(True, "KVCACHED_IPC_NAME is 'inst1'")]
+
+
+def test_ipc_name_with_a_trailing_newline_is_invalid(tmp_path: Path) -> None:
+    [(ok, line)] = checks.check_ipc_name("inst1\n", tmp_path)
+    assert not ok and line.startswith("KVCACHED_IPC_NAME 'inst1\\n' is invalid")
+    assert checks.IPC_NAME_PATTERN.match("inst1\n") is None
+
+
 def test_ipc_name_rules(tmp_path: Path) -> None:
     [(ok, line)] = checks.check_ipc_name(None, tmp_path)
     assert not ok and line.startswith("KVCACHED_IPC_NAME is not set")

@@ -368,3 +368,47 @@ def test_the_manager_cleans_up_after_a_launch(shm: Path, tmp_path: Path, ipc: st
     assert not (shm / ipc).exists()
     assert done.stderr.splitlines()[-1] == (
         f"vllm-hust-ext: org.vllm-hust.kvcached: removed {shm / ipc}")
+
+
+def test_an_empty_shm_dir_setting_means_dev_shm_not_the_cwd(tmp_path: Path, ipc: str) -> None:
+    """KVCACHED_PROVIDER_SHM_DIR= used to be Path(""), the current directory: cleanup there
+    removed any 24-byte file named like the instance."""
+    bystander = record(tmp_path, ipc)
+    env = {**os.environ, "KVCACHED_PROVIDER_SHM_DIR": ""}
+    done = subprocess.run([str(CLI), "cleanup", "--ipc", ipc], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"no leaked kvcached segment of instance {ipc!r}"]
+    assert bystander.exists()
+
+
+def test_a_blank_shm_dir_setting_is_one_line(tmp_path: Path, ipc: str) -> None:
+    record(tmp_path, ipc)
+    env = {**os.environ, "KVCACHED_PROVIDER_SHM_DIR": " "}
+    bad = subprocess.run([str(CLI), "cleanup", "--ipc", ipc], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        "kvcached-provider: error: KVCACHED_PROVIDER_SHM_DIR=' ' is invalid: expected a "
+        "directory path, or the variable unset or empty for the default /dev/shm"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ipc]
+    manifest = {"activation": {"environment": {"KVCACHED_IPC_NAME": ipc}}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCACHED_PROVIDER_SHM_DIR", " ")
+        assert segments.on_shutdown(manifest, {})[0].startswith("KVCACHED_PROVIDER_SHM_DIR=")
+
+
+def test_a_name_with_a_trailing_newline_is_refused(shm: Path, ipc: str) -> None:
+    """The name pattern ended in `$`, which also matches before a final newline."""
+    path = record(shm, f"{ipc}\n")
+    with pytest.raises(ValueError, match=r"KVCACHED_IPC_NAME '.*\\n' is invalid"):
+        segments.cleanup(f"{ipc}\n")
+    bad = subprocess.run([str(CLI), "cleanup", "--ipc", f"{ipc}\n"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        f"kvcached-provider: error: --ipc '{ipc}\\n' is invalid: expected the instance's "
+        "KVCACHED_IPC_NAME, 1-64 characters from [A-Za-z0-9_-]"]
+    assert "invalid" in segments.on_shutdown(
+        {}, {"environment": {"KVCACHED_IPC_NAME": f"{ipc}\n"}})[0]
+    assert path.exists()

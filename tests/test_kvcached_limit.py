@@ -15,6 +15,7 @@ as one-line errors.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import platformdirs
 import pytest
 
 from kvcached_provider import activation
@@ -502,3 +504,82 @@ def test_control_record_that_is_a_fifo_does_not_hang(dirs: tuple[Path, Path]) ->
     code, err = _cli_within(10, "--ipc", IPC, "--timeout", "0.1", "1G")
     assert code == 2 and err.count("\n") == 1
     assert "expected a regular file of 24 bytes, found a FIFO" in err
+
+
+def test_a_name_with_a_trailing_newline_is_refused(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The name pattern ended in `$` (matches before a final newline): `inst1\\n` created a
+    mailbox directory and state key of that name."""
+    assert main(["limit", "--ipc", f"{IPC}\n", "--timeout", "0.1", "1G"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"kvcached-provider: error: --ipc '{IPC}\\n' is invalid: expected the instance's "
+        "KVCACHED_IPC_NAME, 1-64 characters from [A-Za-z0-9_-]\n")
+    assert not dirs[0].exists()
+    with pytest.raises(LimitError, match="is invalid"):
+        set_limit(f"{IPC}\n", 1 << 30, timeout_s=0.1)
+    monkeypatch.setattr(activation, "_responder", None)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", f"{IPC}\n")
+    assert activation.register() is None
+
+
+@pytest.mark.parametrize("value", [" ", "\t\n"])
+def test_a_blank_state_dir_setting_is_one_line(tmp_path: Path, value: str) -> None:
+    """A blank KVCACHED_PROVIDER_STATE_DIR created a directory named like it in the cwd."""
+    env = {**os.environ, "KVCACHED_PROVIDER_STATE_DIR": value,
+           "KVCACHED_PROVIDER_SHM_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "kvcached_provider", "limit", "--ipc", IPC,
+                           "--timeout", "0.1", "1G"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"kvcached-provider: error: KVCACHED_PROVIDER_STATE_DIR={value!r} is invalid: expected "
+        "a directory path, or the variable unset or empty for the default "
+        f"{platformdirs.user_state_path('kvcached-provider')}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _disk_full_on(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """Make the ``call``-th fsync of a state save fail as on a full disk (tests run as root,
+    so a read-only directory would not stop the write)."""
+    calls = iter(range(1, 100))
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if next(calls) == call:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_full_disk_before_sending_is_one_line_and_keeps_the_state(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    state = dirs[0] / "instances.json"
+    assert run(capsys, "24M")[0] == 0
+    before = state.read_bytes()
+    _disk_full_on(monkeypatch, 1)  # reserving revision 2 fails: nothing is sent
+    code, out, err = run(capsys, "16M")
+    assert code == 2 and out == ""
+    assert err == (f"kvcached-provider: error: cannot save {state}: No space left on device; "
+                   "its previous content is kept: free space or set "
+                   "KVCACHED_PROVIDER_STATE_DIR to a writable directory\n")
+    assert state.read_bytes() == before
+    assert sorted(p.name for p in dirs[0].iterdir()) == ["instances.json", "instances.lock"]
+    assert pool.capacity_pages == 3  # still the 24M limit: 16M was never sent
+
+
+def test_a_full_disk_after_applying_says_what_was_applied(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _disk_full_on(monkeypatch, 2)  # the revision is reserved; recording the outcome fails
+    code, out, err = run(capsys, "24M")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("kvcached-provider: error: limit applied at revision 1 (via "
+                          "in-process), but cannot save ")
+    assert stored(dirs[0])["revision"] == 1  # never reused

@@ -152,6 +152,19 @@ def test_report_counts_must_be_finite_numbers(tmp_path: Path, value: str) -> Non
         arm_from_report("baseline", read_report(path), [], 0.0, str(path))
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [('{"arms": 1' + "0" * 5000 + "}", "value has 5001 digits"), ("[" * 100_000, "too deeply")],
+)
+def test_hostile_report_is_named(tmp_path: Path, text: str, message: str) -> None:
+    # A huge integer (plain ValueError) or deep nesting (RecursionError) names the report.
+    path = tmp_path / "report.json"
+    path.write_text(text)
+    with pytest.raises(QualificationError, match=f"report {path}: cannot be read as JSON") as info:
+        read_report(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
 GOOD_REPORT = json.dumps(
     {
         "arms": [

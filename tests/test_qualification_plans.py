@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from qualification.cli import main
-from qualification.profile import PROFILE_DIR, load_profile
+from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
+from qualification.runner import launch_plan
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 needs_manager = pytest.mark.skipif(
@@ -255,3 +257,53 @@ def test_record_hashes_the_profile_file_actually_loaded(tmp_path: Path) -> None:
     assert load_profile("cpu-replay").source_sha256 == hashlib.sha256(
         bundled.read_bytes()
     ).hexdigest()
+
+
+def _dry_run(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`python -m qualification run --dry-run ...` as a real process (bounded: a hang fails)."""
+    return subprocess.run(
+        [sys.executable, "-m", "qualification", "run", "--dry-run", *argv],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("repeats = 1" + "0" * 5000 + "\n", "value has 5001 digits"),
+        ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+    ],
+)
+def test_hostile_profile_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    """An integer over Python's 4300-digit limit (a plain ValueError from tomllib) and deep
+    nesting (RecursionError) are profile errors naming the file, not tracebacks."""
+    bad = tmp_path / "hostile.toml"
+    bad.write_text(text)
+    proc = _dry_run(str(bad))
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.startswith(f"qualification: error: profile {bad}: cannot be read as TOML")
+    assert message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("repeats", ["99999999999999999999", str(MAX_REPEATS + 1)])
+def test_absurd_repeats_option_is_refused_at_once(repeats: str) -> None:
+    proc = _dry_run("cpu-replay", "--repeats", repeats)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        f"qualification: error: --repeats {repeats} is invalid: expected an integer from 1 to "
+        f"{MAX_REPEATS} (pairs per cell)\n"
+    )
+
+
+def test_absurd_profile_repeats_is_refused(tmp_path: Path) -> None:
+    text = (PROFILE_DIR / "cpu-replay.toml").read_text()
+    variant = tmp_path / "many.toml"
+    variant.write_text(text.replace("repeats = 3", f"repeats = {MAX_REPEATS + 1}", 1))
+    proc = _dry_run(str(variant))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"repeats: Input should be less than or equal to {MAX_REPEATS}" in proc.stderr
+
+
+def test_the_largest_repeats_still_plans() -> None:
+    plan = launch_plan(load_profile("cpu-replay"), repeats=MAX_REPEATS)
+    assert plan["repeats"] == MAX_REPEATS

@@ -234,3 +234,52 @@ def test_pyproject_value_of_the_wrong_type_is_a_listed_problem(
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert out.count(message) == 1, out
+
+
+HUGE = "1" + "0" * 5000  # over Python's 4300-digit int-from-string limit
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("target", "text", "message"),
+    [
+        ("pyproject.toml", f"x = {HUGE}\n", "cannot be read as TOML (Exceeds the limit"),
+        ("pyproject.toml", f"x = {DEEP}\n", "cannot be read as TOML (nested too deeply)"),
+        ("manifest", f'{{"x": {HUGE}}}', "cannot be read as JSON (Exceeds the limit"),
+        ("manifest", DEEP, "cannot be read as JSON (nested too deeply)"),
+    ],
+)
+def test_hostile_tree_file_is_a_listed_problem(
+    tmp_path: Path, target: str, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A huge integer (a plain ValueError) or deep nesting (RecursionError) in pyproject or
+    a manifest is one listed problem naming the file (exit 1), not a traceback."""
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    name = "manifests/bidkv/vllm-hust-extension-v0.2.json" if target == "manifest" else target
+    (root / name).write_text(text)
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    (problem,) = [line for line in out.splitlines() if str(root / name) in line]
+    assert message in problem
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [(f'{{"schema": {HUGE}}}', "value has 5001 digits"), (DEEP, "nested too deeply")],
+)
+def test_hostile_record_is_named_not_a_traceback(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _tree(tmp_path)
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "bad.json").write_text(text)
+    assert main(["release-check", "--root", str(root), "--records", str(records)]) == 1
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "bad.json (cannot be read as JSON: " in line]
+    assert message in line
+    # A readable passing record beside it still qualifies the release.
+    _record(records / "run1")
+    assert main(["release-check", "--root", str(root), "--records", str(records)]) == 0

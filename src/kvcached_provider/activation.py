@@ -40,7 +40,7 @@ def register() -> LimitResponder | None:
         if not _enabled(os.environ):
             return None
         ipc = os.environ.get("KVCACHED_IPC_NAME", "")
-        if not IPC_NAME_PATTERN.match(ipc):
+        if not IPC_NAME_PATTERN.fullmatch(ipc):
             _log.warning(
                 "kvcached_provider: KVCACHED_IPC_NAME %r is missing or invalid; "
                 "`kvcached-provider limit` cannot reach this instance", ipc)

@@ -41,6 +41,7 @@ __all__ = [
     "GROUP_SUFFIX",
     "IPC_NAME_PATTERN",
     "KVCACHED_TESTED_VLLM_RANGE",
+    "SettingError",
     "check",
     "check_autopatch_pth",
     "check_compiled_module",
@@ -51,6 +52,7 @@ __all__ = [
     "check_shm_writable",
     "check_torch_backend",
     "check_vllm_range",
+    "env_directory",
     "planned_environment",
     "shm_dir",
 ]
@@ -65,9 +67,11 @@ KVCACHED_TESTED_VLLM_RANGE = ">=0.17.0.dev0,<0.31"
 DEFAULT_IPC_NAME = "vllm_hust_kvcached"
 # kvcached sanitises explicit names to this alphabet and length; we require it verbatim so
 # that ``kvctl`` and ``kvcached-provider`` can address the instance by the configured name.
-IPC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Use it with ``fullmatch``; the \A...\Z anchors also keep ``match`` from accepting a
+# trailing newline, which ``$`` allows ("inst1\n" would name another file and state key).
+IPC_NAME_PATTERN = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 # kvcached names the record of KV group N > 0 of instance X ``X_gN``.
-GROUP_SUFFIX = re.compile(r"_g[0-9]+$")
+GROUP_SUFFIX = re.compile(r"_g[0-9]+\Z")
 # Contract or protocol names by which a 0.2 manifest says it owns KV-cache allocation or
 # consumes KV-cache events (e.g. a custom ``vllm.kv-cache-allocator.v1``).
 _KV_OWNERSHIP = re.compile(
@@ -89,9 +93,30 @@ _CONFIGURE_HINT = (
 )
 
 
+class SettingError(ValueError):
+    """A malformed environment setting; the CLI prints it as one line and exits 2."""
+
+
+def env_directory(variable: str, default: Path) -> Path:
+    """The directory named by ``variable``; unset or empty means ``default``.
+
+    An empty value must not become ``Path("")``, i.e. the current directory, where cleanup
+    would delete files. A blank one (" ") is refused: it would name a directory " ".
+    """
+    value = os.environ.get(variable, "")
+    if not value:
+        return default
+    if not value.strip():
+        raise SettingError(
+            f"{variable}={value!r} is invalid: expected a directory path, or the variable "
+            f"unset or empty for the default {default}"
+        )
+    return Path(value)
+
+
 def shm_dir() -> Path:
     """Directory holding kvcached's control records (``/dev/shm``; overridable for tests)."""
-    return Path(os.environ.get("KVCACHED_PROVIDER_SHM_DIR", "/dev/shm"))
+    return env_directory("KVCACHED_PROVIDER_SHM_DIR", Path("/dev/shm"))
 
 
 def _distribution(name: str) -> metadata.Distribution | None:
@@ -298,7 +323,10 @@ def check_vllm_range(version_range: str = KVCACHED_TESTED_VLLM_RANGE) -> CheckLi
 
 def check_shm_writable(directory: Path | None = None) -> CheckLine:
     """kvcached keeps one control record per instance in ``/dev/shm``."""
-    target = directory if directory is not None else shm_dir()
+    try:
+        target = directory if directory is not None else shm_dir()
+    except SettingError as exc:
+        return False, str(exc)
     fix = (
         "kvcached keeps each instance's control record there: mount a writable tmpfs at "
         "/dev/shm (containers: `--ipc=host` or `--shm-size=1g`)"
@@ -322,7 +350,7 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             "explicit name kvcached derives one from the process group and neither kvctl "
             f"nor kvcached-provider can address the instance: set it with {_CONFIGURE_HINT}"
         ))]
-    if not IPC_NAME_PATTERN.match(name):
+    if not IPC_NAME_PATTERN.fullmatch(name):
         return [(False, (
             f"KVCACHED_IPC_NAME {name!r} is invalid: expected 1-64 characters from "
             "[A-Za-z0-9_-] (kvcached would rewrite it, so kvctl and kvcached-provider could "
@@ -342,7 +370,10 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             f"KVCACHED_IPC_NAME is the bundle default {name!r}; engines sharing this host "
             f"need distinct names: set one per instance with {_CONFIGURE_HINT}"
         )))
-    record = (directory if directory is not None else shm_dir()) / name
+    try:
+        record = (directory if directory is not None else shm_dir()) / name
+    except SettingError:  # check_shm_writable already reports the setting
+        return lines
     if record.exists():
         # Informational only: segments survive SIGKILL and (vLLM) SIGTERM, so this may be a
         # leak -- but it may also be a live engine, which must never be deleted blindly.

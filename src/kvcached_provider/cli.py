@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvcached_provider import EXTENSION_ID
+from kvcached_provider.checks import SettingError
 from kvcached_provider.limit import (
     LimitError,
     LimitInterrupted,
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LimitInterrupted as exc:
         print(f"kvcached-provider: {exc}", file=sys.stderr)
         return _interrupted_status(exc.__cause__)
-    except (LimitError, CleanupError) as exc:
+    except (LimitError, CleanupError, SettingError) as exc:
         print(f"kvcached-provider: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:

@@ -84,7 +84,13 @@ from typing import Any, Literal
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from kvcached_provider.checks import GROUP_SUFFIX, IPC_NAME_PATTERN, shm_dir
+from kvcached_provider.checks import (
+    GROUP_SUFFIX,
+    IPC_NAME_PATTERN,
+    SettingError,
+    env_directory,
+    shm_dir,
+)
 
 __all__ = [
     "ACCEPTED_STATES",
@@ -125,8 +131,11 @@ class LimitInterrupted(LimitError):
 
 def state_dir() -> Path:
     """Where revisions and the mailbox live (per user; shared by the CLI and the engine)."""
-    override = os.environ.get("KVCACHED_PROVIDER_STATE_DIR")
-    return Path(override) if override else platformdirs.user_state_path("kvcached-provider")
+    default = platformdirs.user_state_path("kvcached-provider")
+    try:
+        return env_directory("KVCACHED_PROVIDER_STATE_DIR", default)
+    except SettingError as exc:
+        raise LimitError(str(exc)) from exc
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -152,7 +161,7 @@ def parse_size(text: str) -> int:
 
 
 def validate_ipc_name(name: str) -> str:
-    if not IPC_NAME_PATTERN.match(name):
+    if not IPC_NAME_PATTERN.fullmatch(name):
         raise LimitError(
             f"--ipc {name!r} is invalid: expected the instance's KVCACHED_IPC_NAME, 1-64 "
             "characters from [A-Za-z0-9_-]"
@@ -391,8 +400,19 @@ class _RevisionStore:
             ) from exc
 
     def save(self, state: _State) -> None:
-        """Atomic replace: a temp file in the same directory, fsync, ``os.replace``."""
+        """Atomic replace, so a failed save (a full disk) leaves the previous file intact."""
         payload = json.dumps(state.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        try:
+            self._replace(payload)
+        except OSError as exc:
+            raise LimitError(
+                f"cannot save {self.path}: {exc.strerror or exc}; its previous content is "
+                "kept: free space or set KVCACHED_PROVIDER_STATE_DIR to a writable directory"
+            ) from exc
+
+    def _replace(self, payload: str) -> None:
+        """A temp file in the same directory, fsync, ``os.replace``; the temp file never
+        outlives a failure."""
         fd, tmp = tempfile.mkstemp(prefix=".instances-", dir=self.directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -781,5 +801,16 @@ def set_limit(
             seen = [int(p.get("revision", 0) or 0) for p in result.pools]
             update["revision"] = max([revision, *seen])
         state.instances[ipc] = entry.model_copy(update=update)
-        store.save(state)
+        _save_outcome(store, state, result)
     return result
+
+
+def _save_outcome(store: _RevisionStore, state: _State, result: LimitResult) -> None:
+    """Record a sent request's outcome; if that fails, say what the engine did, which the
+    error would otherwise hide (the revision itself was saved before sending)."""
+    try:
+        store.save(state)
+    except LimitError as exc:
+        raise LimitError(
+            f"limit {result.status} at revision {result.revision} (via {result.via}), but {exc}"
+        ) from exc

@@ -45,7 +45,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_provider.checks import GROUP_SUFFIX, IPC_NAME_PATTERN, planned_environment, shm_dir
+from kvcached_provider.checks import (
+    GROUP_SUFFIX,
+    IPC_NAME_PATTERN,
+    SettingError,
+    planned_environment,
+    shm_dir,
+)
 from kvcached_provider.limit import (
     RECORD_SIZE,
     LimitError,
@@ -338,7 +344,7 @@ def cleanup(
     Each path stays while a live process uses it (see the module docstring); records of
     other instances are only reported.
     """
-    if not IPC_NAME_PATTERN.match(ipc):
+    if not IPC_NAME_PATTERN.fullmatch(ipc):
         raise CleanupError(f"KVCACHED_IPC_NAME {ipc!r} is invalid: expected 1-64 characters "
                          "from [A-Za-z0-9_-]")
     shm_path = shm if shm is not None else shm_dir()
@@ -373,11 +379,11 @@ def cleanup(
 def on_shutdown(manifest: Mapping[str, object], configuration: Mapping[str, object]) -> list[str]:
     """``vllm_hust_ext.bundle_shutdown`` hook: clean up the instance that just stopped."""
     ipc = planned_environment(manifest, configuration).get("KVCACHED_IPC_NAME")
-    if ipc is None or not IPC_NAME_PATTERN.match(ipc):
+    if ipc is None or not IPC_NAME_PATTERN.fullmatch(ipc):
         return [f"KVCACHED_IPC_NAME is {'not set' if ipc is None else f'invalid ({ipc!r})'}, "
                 "so this instance's kvcached segments cannot be told from others': nothing "
                 "removed"]
     try:
         return cleanup(ipc).lines()
-    except CleanupError as exc:
+    except (CleanupError, SettingError) as exc:
         return [str(exc)]
