@@ -52,12 +52,34 @@ def best_us(fn: Callable[[], object], repeat: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
+def _positive(text: str) -> int:
+    """A whole number >= 1 (a context needs a requester; timeit needs a repeat)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """Comma-separated candidate counts, each >= 1, such as 8,64,256."""
+    try:
+        return [_positive(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers >= 1 such as 8,64,256, got {text!r}"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="8,64,256,1024")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--sizes", type=_sizes, default=[8, 64, 256, 1024],
+                        help="comma-separated candidate counts (default 8,64,256,1024)")
+    parser.add_argument("--repeat", type=_positive, default=5)
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes: list[int] = args.sizes
     rng = random.Random(7)
     for kind in ("decoding", "prefilling"):
         print(f"\nRequester {kind}:\n")

@@ -273,6 +273,23 @@ def _objective(text: str) -> str:
     return text
 
 
+def _samples(text: str) -> int:
+    """Sampled futures per option: 0 plays the true output lengths (clairvoyant), N > 0
+    averages N samples; below 0 would fork nothing and report options never played."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _samples_arg(text: str) -> int:
+    try:
+        return _samples(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= 0 (0: true output lengths), got {text!r}") from None
+
+
 def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> _T:
     """A rollout knob from the environment; a bad value stops with one line naming it."""
     raw = os.environ.get(name, default)
@@ -295,7 +312,7 @@ class _Rollout:
     width = _env("BIDKV_ROLLOUT_WIDTH", "4", int, "a whole number of candidates")
     # > 0: children do not see true output lengths; each option is played this many
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
-    samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", int, "a whole number of futures")
+    samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", _samples, "a whole number of futures >= 0")
     objective = _env("BIDKV_ROLLOUT_OBJECTIVE", "tax", _objective,
                      "one of " + ", ".join(OBJECTIVES))
     # A path: the parent appends one JSON line per decision (options, their costs, choice).
@@ -630,7 +647,7 @@ def main() -> int:
                         help="rollout: simulated seconds each child plays ahead")
     parser.add_argument("--width", type=int, default=_Rollout.width,
                         help="rollout: how many of the least computed candidates to try")
-    parser.add_argument("--samples", type=int, default=0,
+    parser.add_argument("--samples", type=_samples_arg, default=0,
                         help="rollout: hide true output lengths from the children and "
                              "average this many sampled futures per option (0: clairvoyant)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="tax",

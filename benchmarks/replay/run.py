@@ -263,6 +263,26 @@ def _flag(argv: Sequence[str], name: str, default: str) -> str:
     return argv[argv.index(name) + 1] if name in argv else default
 
 
+UNREADABLE = "saved report is unreadable"
+
+
+def saved_arms(report_path: Path) -> Arms:
+    """The arms of a saved ``report.json`` by label; ValueError saying why if the file is
+    not such a report (a run killed mid-write, or edited by hand)."""
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, RecursionError) as exc:
+        raise ValueError(str(exc) or type(exc).__name__) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integer digit limit
+        raise ValueError(" ".join(str(exc).split())) from None
+    arms = report.get("arms") if isinstance(report, dict) else None
+    if not isinstance(arms, list) or not all(
+        isinstance(a, dict) and isinstance(a.get("label"), str) for a in arms
+    ):
+        raise ValueError('expected {"arms": [{"label": ...}, ...]}')
+    return {a["label"]: a for a in arms}
+
+
 def stale_reason(report_path: Path, argv: list[str]) -> str | None:
     """Why the report at ``report_path`` cannot stand for replaying ``argv`` now; None if
     it can. It must hold exactly the arms ``argv`` asks for, and every BidKV arm must have
@@ -275,7 +295,10 @@ def stale_reason(report_path: Path, argv: list[str]) -> str | None:
         return "no report"
     arms = parse_arms(_flag(argv, "--policies", ""), preemption_policy=None,
                       policy_classes=[], seed=int(_flag(argv, "--seed", "0")))
-    saved = {a["label"]: a for a in json.loads(report_path.read_text())["arms"]}
+    try:
+        saved = saved_arms(report_path)
+    except ValueError as exc:
+        return f"{UNREADABLE} ({exc})"
     # --policy-class arms are labelled by their spec (not imported here: they run elsewhere).
     classes = {argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag == "--policy-class"}
     wanted = {a.label for a in arms} | classes
@@ -297,11 +320,16 @@ def replay_arms(argv: list[str], out: Path, what: str, reuse: bool = False) -> A
     """Replay ``argv`` into ``out`` and return its arms by label. With ``reuse`` a report
     already in ``out`` is read instead of replaying, unless :func:`stale_reason` objects."""
     report_path = out / "report.json"
-    fresh = not reuse or stale_reason(report_path, argv) is not None
-    if fresh and replay_main([*argv, "--no-progress", "--no-plots", "--output-dir", str(out)]):
+    reason = stale_reason(report_path, argv) if reuse else "not reusing"
+    if reason is not None and reason.startswith(UNREADABLE):
+        # Said aloud: --reuse was asked for, and this slice is replayed after all.
+        print(f"{Path(sys.argv[0]).name}: {report_path}: {reason}; replaying {what}",
+              file=sys.stderr)
+    if reason is not None and replay_main(
+        [*argv, "--no-progress", "--no-plots", "--output-dir", str(out)]
+    ):
         raise SystemExit(f"{Path(sys.argv[0]).name}: replay failed for {what}")
-    report = json.loads(report_path.read_text())
-    return {arm["label"]: arm for arm in report["arms"]}
+    return saved_arms(report_path)
 
 
 def over_slices(worker: Callable[[Any], Arms], jobs: dict[str, list[Any]]) -> dict[str, list[Arms]]:

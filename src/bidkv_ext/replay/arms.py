@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -185,6 +186,11 @@ def _overrides(name: str) -> tuple[str, dict[str, object]]:
             values[key.strip()] = json.loads(raw.strip())
         except json.JSONDecodeError:
             values[key.strip()] = raw.strip()
+        except ValueError:
+            # json.loads' only other ValueError: an integer over the int-digits limit.
+            # The entry itself is not shown: it holds those thousands of digits.
+            raise ArmError(f"--policies: {base.strip()!r}: {key.strip()} has more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
     return base.strip(), values
 
 

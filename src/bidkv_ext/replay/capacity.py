@@ -36,6 +36,7 @@ import bisect
 import csv
 import io
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,8 @@ def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
     """Read a JSON (or ``.csv``) schedule; any problem is one :class:`CapacityScheduleError`."""
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark is neither part of the CSV header nor valid JSON.
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise CapacityScheduleError(f"{source}: cannot read the capacity schedule: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None
@@ -196,6 +198,12 @@ def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
         raise CapacityScheduleError(
             f'{source}: JSON nested too deeply; expected a list of {{"t": seconds, '
             '"blocks": count} entries'
+        ) from None
+    except ValueError:
+        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
+        raise CapacityScheduleError(
+            f"{source}: an integer has more than {sys.get_int_max_str_digits()} digits; "
+            'expected a list of {"t": seconds, "blocks": count} entries'
         ) from None
     if not isinstance(value, list):
         raise CapacityScheduleError(

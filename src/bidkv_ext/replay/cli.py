@@ -16,12 +16,14 @@ CSV ``t,blocks``) lowers and raises the KV blocks available over simulated time 
 kvcached's semantics (``bidkv_ext.replay.capacity``); ``--blocks-per-page`` sets the page
 geometry and ``--no-capacity-signals`` keeps the elastic pool but publishes no signals.
 
-Bad input (trace rows, files, flags, configuration) prints one line and exits 2. What this
-tool can check is checked before the first engine starts, every arm's policy and BidKV
-settings and the ``--output-dir`` (created then) included; what only vLLM knows (a
-``--max-model-len`` it cannot serve) fails as one line at the first engine build. Either
-way a bad input never costs a finished arm. Report
-files and plots are written atomically (temporary file in the directory + ``os.replace``).
+Bad input (trace rows, files, flags, configuration) prints one line and exits 2. Everything
+is checked before the first arm runs: the cheap checks first, then a preflight that builds
+every arm's vLLM configuration and policy as the engine will (so what only vLLM or the
+policy knows, such as a ``--max-model-len`` vLLM cannot serve or a ``from_vllm_config`` that
+raises, fails there, naming the arm), and last the ``--output-dir`` (created then). So a
+bad input never costs a finished arm. Report files and plots are written atomically
+(temporary file in the directory + ``os.replace``); a figure JSON cannot hold (infinity)
+fails only the file that holds it, with one line naming the figure.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ from bidkv_ext.replay.capacity import (
     load_capacity_schedule,
 )
 from bidkv_ext.replay.report import OutputError, prepare_output_dir
-from bidkv_ext.replay.steptime import PRESETS, StepTimeModelError, load_step_model
+from bidkv_ext.replay.steptime import (
+    PRESETS,
+    StepTimeModelError,
+    check_step_bound,
+    load_step_model,
+)
 from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace, select_requests
 
 __all__ = ["DEFAULT_POLICIES", "SAMPLE_NUM_GPU_BLOCKS", "SAMPLE_TRACE", "build_parser", "main"]
@@ -60,6 +67,15 @@ DEFAULT_POLICIES = "builtin,least-computed-first,bidkv"
 SAMPLE_NUM_GPU_BLOCKS = 1600
 """KV budget of the embedded default: enough preemption on the sample to separate arms."""
 DEFAULT_NUM_GPU_BLOCKS = 4096
+MAX_NUM_GPU_BLOCKS = 10_000_000
+"""Upper bound of ``--num-gpu-blocks``: vLLM builds a Python object per block before the
+first step, so a typo of a few extra digits would run out of memory or never start. Ten
+million 16-token blocks hold 160 M tokens, over 100 times the KV cache of the largest
+single GPU (an H200's 141 GB holds about 1.1 M tokens of Llama-3.1-8B)."""
+MAX_SIMULATED_SECONDS = 1e10
+"""Upper bound of a simulated time (an arrival, one step): about 317 years. The clock is a
+float; below this it still resolves about two microseconds, and no sum of such times reaches
+infinity, which the report's JSON cannot hold."""
 DEFAULT_OUTPUT_DIR = Path("bidkv-replay-out")
 SCHEMA = "bidkv-replay/1"
 REPORT_FILES = ("report.json", "timing.json", "report.md")
@@ -121,21 +137,41 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_BLOCKS_PER_PAGE}: Llama-3.1-8B, 64 KiB per-layer block, 2 MiB page)")
     add("--capacity-signals", action=argparse.BooleanOptionalAction, default=True,
         help="publish the elastic pool's capacity signals to policies (default on)")
-    add("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
+    # Read as text: Path("") is ".", so an empty value would write into the working
+    # directory; _run refuses it and makes the Path.
+    add("--output-dir", default=str(DEFAULT_OUTPUT_DIR))
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: json.loads gives inf, which no report can hold
+        raise _UsageError(f"--additional-config: number {text} is out of range; expected "
+                          "finite numbers")
+    return value
+
+
+def _no_constant(name: str) -> object:
+    # json.loads accepts NaN, Infinity and -Infinity, which are not JSON.
+    raise _UsageError(f"--additional-config: {name} is not a JSON number; expected finite "
+                      "numbers")
 
 
 def _additional_config(raw: str | None) -> dict[str, Any]:
     if raw is None:
         return {}
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError:
         raise _UsageError("--additional-config must contain a JSON object") from None
     except RecursionError:
         raise _UsageError("--additional-config: JSON nested too deeply") from None
+    except ValueError:
+        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
+        raise _UsageError(f"--additional-config: an integer has more than "
+                          f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(value, dict):
         raise _UsageError("--additional-config must contain a JSON object")
     return value
@@ -151,8 +187,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise _UsageError(f"{flag} must be >= 1, got {value}")
-    if args.num_gpu_blocks is not None and args.num_gpu_blocks < 2:
-        raise _UsageError(f"--num-gpu-blocks must be >= 2, got {args.num_gpu_blocks}")
+    blocks = args.num_gpu_blocks
+    if blocks is not None and not 2 <= blocks <= MAX_NUM_GPU_BLOCKS:
+        raise _UsageError(
+            f"--num-gpu-blocks must be between 2 and {MAX_NUM_GPU_BLOCKS:,}, got {blocks}")
     if args.max_requests is not None and args.max_requests < 1:
         raise _UsageError(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.max_num_batched_tokens < args.max_num_seqs:
@@ -179,6 +217,12 @@ def _check_floats(args: argparse.Namespace) -> None:
         raise _UsageError(f"--duration must be a finite number of seconds > 0, got {duration}")
     if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
         raise _UsageError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
+
+
+def _output_dir(raw: str | Path) -> Path:
+    if not str(raw).strip():
+        raise _UsageError("--output-dir must name a directory, got an empty value")
+    return Path(raw)
 
 
 def _output_names(args: argparse.Namespace) -> tuple[str, ...]:
@@ -225,8 +269,13 @@ def _one_line(exc: ValueError) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     _check_numbers(args)
+    args.output_dir = _output_dir(args.output_dir)
     additional = _additional_config(args.additional_config)
     step_model = load_step_model(args.step_model)
+    check_step_bound(step_model, args.step_model, MAX_SIMULATED_SECONDS,
+                     prefill_tokens=args.max_num_batched_tokens,
+                     decode_requests=args.max_num_seqs,
+                     decode_context=args.max_num_seqs * args.max_model_len)
     trace_path: Path = args.trace if args.trace is not None else SAMPLE_TRACE
     is_sample = args.trace is None
     default_blocks = SAMPLE_NUM_GPU_BLOCKS if is_sample else DEFAULT_NUM_GPU_BLOCKS
@@ -263,11 +312,10 @@ def _run(args: argparse.Namespace) -> int:
     too_big = len(selection.requests) - len(requests)
     if not requests:
         raise _UsageError(f"{trace_path}: no request left after the window and length filters")
-    # Last check before the first engine: creates the directory, so only when all else passed.
-    prepare_output_dir(args.output_dir, _output_names(args))
+    _check_arrivals(requests, args.rate_scale)
 
     # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
-    from bidkv_ext.replay.engine import ReplayError, ReplaySettings
+    from bidkv_ext.replay.engine import ReplayError, ReplaySettings, preflight_arms
 
     settings = ReplaySettings(
         num_gpu_blocks=num_blocks,
@@ -284,6 +332,13 @@ def _run(args: argparse.Namespace) -> int:
         blocks_per_page=args.blocks_per_page,
         capacity_signals=args.capacity_signals,
     )
+    try:
+        preflight_arms(requests, arms, settings)
+    except ReplayError as exc:
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+    # Last check before the first engine: creates the directory, so only when all else passed.
+    prepare_output_dir(args.output_dir, _output_names(args))
     trace_info: dict[str, Any] = {
         "name": trace_path.name,
         "format": "mooncake" if raw[0].hash_ids is not None else "azure",
@@ -305,6 +360,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
     return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
+
+
+def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float) -> None:
+    """A tiny --rate-scale divides the gaps into times the float clock cannot hold."""
+    last = requests[-1].arrival
+    if not last <= MAX_SIMULATED_SECONDS:  # also catches inf (NaN cannot occur here)
+        raise _UsageError(
+            f"--rate-scale {rate_scale:g} stretches the last arrival to {last:g} s; expected "
+            f"a rate scale that keeps arrivals below {MAX_SIMULATED_SECONDS:g} s")
 
 
 def _replay_all(
@@ -354,6 +418,7 @@ def _write_outputs(
 
     from bidkv_ext._version import __version__ as bidkv_version
     from bidkv_ext.replay.report import (
+        NonFiniteError,
         format_capacity_table,
         format_table,
         markdown_report,
@@ -408,6 +473,10 @@ def _write_outputs(
         except OSError as exc:
             # filename2 is os.replace's destination; filename is often the temporary file.
             failed.append(output_error(Path(exc.filename2 or target), exc))
+        except NonFiniteError as exc:
+            # Checked inputs keep every figure finite; should one still not be, only the
+            # file that holds it is lost, not the run.
+            failed.append(OutputError(str(exc)))
     if failed:
         # Every file that can be written was; the first failure is the one-line error.
         raise failed[0]

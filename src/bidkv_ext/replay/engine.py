@@ -213,23 +213,18 @@ def run_arm(
     from vllm.v1.core.sched import scheduler as sched_module
     from vllm.v1.outputs import ModelRunnerOutput
 
-    additional = arm_additional_config(arm, settings.additional_config)
-    vllm_config, kv_cache_config = offline.build_vllm_config(
-        num_gpu_blocks=settings.num_gpu_blocks,
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        policy=settings.scheduling_policy,
-        enable_chunked_prefill=settings.enable_chunked_prefill,
-        additional_config=additional,
-    )
     ids = [str(r.index) for r in requests]
-    true_output = {rid: r.output_length for rid, r in zip(ids, requests, strict=True)}
-    scheduler = offline.build_scheduler(
-        vllm_config, kv_cache_config, preemption_policy=arm.factory(true_output), log_stats=False
-    )
+    true_output = _true_output(requests)
+    try:
+        vllm_config, kv_cache_config = _vllm_config(offline, arm, settings)
+        scheduler = offline.build_scheduler(
+            vllm_config, kv_cache_config, preemption_policy=arm.factory(true_output),
+            log_stats=False,
+        )
+    except Exception as exc:
+        # The arm's own code (its from_vllm_config) runs here and may raise anything.
+        raise ReplayError(f"arm {arm.label!r}: the engine cannot be built: "
+                          f"{_one_line(exc)}") from None
     prompts = PromptFactory(settings.seed)
     elastic = _elastic_pool(scheduler, requests, settings)
     policy = scheduler.controller.policy
@@ -268,6 +263,61 @@ def run_arm(
         returns=state.returns,
         policy_config=policy_config,
     )
+
+
+def _true_output(requests: Sequence[TraceRequest]) -> dict[str, int]:
+    return {str(r.index): r.output_length for r in requests}
+
+
+def _vllm_config(offline: ModuleType, arm: Arm, settings: ReplaySettings) -> tuple[Any, Any]:
+    """The arm's ``VllmConfig`` and ``KVCacheConfig``; raises vLLM's own errors."""
+    return offline.build_vllm_config(  # type: ignore[no-any-return]
+        num_gpu_blocks=settings.num_gpu_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        policy=settings.scheduling_policy,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        additional_config=arm_additional_config(arm, settings.additional_config),
+    )
+
+
+def preflight_arms(
+    requests: Sequence[TraceRequest], arms: Sequence[Arm], settings: ReplaySettings
+) -> None:
+    """Build every arm's vLLM configuration and policy as :func:`run_arm` will, before any
+    arm runs, so a policy that fails to build costs no finished arm.
+
+    vLLM's configuration errors are ValueErrors naming the setting and propagate as such
+    (the same for every arm); anything else, and every error of the policy's own code
+    (``from_vllm_config``, its constructor, a result that is no policy), becomes a
+    :class:`ReplayError` naming the arm. The policies built here are dropped; the engine's
+    scheduler is not built, so no evidence event is emitted twice.
+    """
+    from bidkv_ext.controller import load_policy
+
+    offline = _host()
+    true_output = _true_output(requests)
+    for arm in arms:
+        try:
+            vllm_config, _ = _vllm_config(offline, arm, settings)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ReplayError(f"arm {arm.label!r}: the engine's configuration cannot be "
+                              f"built: {_one_line(exc)}") from None
+        try:
+            load_policy(arm.factory(true_output), vllm_config)
+        except Exception as exc:
+            raise ReplayError(f"arm {arm.label!r}: its policy cannot be built: "
+                              f"{_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _observed_run(

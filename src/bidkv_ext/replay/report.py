@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = [
+    "NonFiniteError",
     "OutputError",
     "atomic_output",
     "capacity_markdown",
@@ -259,8 +260,37 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class NonFiniteError(ValueError):
+    """A figure JSON cannot hold (infinity); the message names the file and the figure."""
+
+
+def _non_finite(value: Any, where: str) -> tuple[str, float] | None:
+    """The first infinite float in ``value`` (NaN is already None) and where it is."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "<root>", value
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{where}[{key}]" if isinstance(key, int) else
+                            f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
-    text = json.dumps(_clean(document), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    """Write ``document`` (NaN as null); raises :class:`NonFiniteError` before touching
+    ``path`` if a figure is infinite, since JSON has no infinity."""
+    cleaned = _clean(document)
+    found = _non_finite(cleaned, "")
+    if found:
+        raise NonFiniteError(f"cannot write {path}: {found[0]} is {found[1]}; JSON holds "
+                             "only finite numbers")
+    text = json.dumps(cleaned, indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomic(path, text.encode())
 
 

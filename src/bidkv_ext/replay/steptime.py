@@ -46,7 +46,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["PRESETS", "StepTimeModel", "StepTimeModelError", "load_step_model"]
+__all__ = [
+    "PRESETS",
+    "StepTimeModel",
+    "StepTimeModelError",
+    "check_step_bound",
+    "load_step_model",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,3 +137,24 @@ def load_step_model(spec: str) -> StepTimeModel:
             ">= 0, source)"
         ) from None
     return StepTimeModel(parsed.name, parsed.a, parsed.b, parsed.c, parsed.d, parsed.source)
+
+
+def check_step_bound(
+    model: StepTimeModel,
+    spec: str,
+    limit: float,
+    *,
+    prefill_tokens: int,
+    decode_requests: int,
+    decode_context: int,
+) -> None:
+    """Refuse a model whose longest possible step (every count at its scheduler limit)
+    exceeds ``limit`` seconds or is not finite: finite coefficients such as 1e307 still
+    overflow to inf once multiplied, and an infinite clock ends in a report JSON cannot
+    hold, after every arm has run. ``spec`` is the preset name or file the user gave."""
+    worst = model.step_seconds(prefill_tokens, decode_requests, decode_context)
+    if not worst <= limit:  # not "worst > limit": that is False for NaN
+        raise StepTimeModelError(
+            f"step model {spec}: the longest step ({prefill_tokens} prefill tokens, "
+            f"{decode_requests} decode requests, {decode_context} context tokens) takes "
+            f"{worst:g} s; expected coefficients that keep a step below {limit:g} s")

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -82,7 +83,8 @@ def load_trace(path: Path, fmt: TraceFormat = "auto") -> tuple[TraceRequest, ...
     """Read a whole trace file; raises :class:`TraceError` on the first bad row."""
     kind = detect_format(path) if fmt == "auto" else fmt
     try:
-        with path.open(encoding="utf-8", newline="") as handle:
+        # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first name.
+        with path.open(encoding="utf-8-sig", newline="") as handle:
             rows = _load_azure(path, handle) if kind == "azure" else _load_mooncake(path, handle)
             requests = tuple(rows)
     except OSError as exc:
@@ -192,6 +194,10 @@ def _json_line(path: Path, line: int, text: str) -> object:
         raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise TraceError(f"{path}:{line}: JSON nested too deeply") from None
+    except ValueError:
+        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
+        raise TraceError(f"{path}:{line}: an integer has more than "
+                         f"{sys.get_int_max_str_digits()} digits") from None
 
 
 def _timestamp(path: Path, line: int, raw: object) -> float:
