@@ -236,12 +236,10 @@ def _forget(bundle_id: str) -> None:
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
     try:
-        # finite: NaN/Infinity would make the state file non-standard JSON.
-        configuration = load_json(Path(file).read_text(encoding="utf-8"), finite=True)
+        configuration = load_json(Path(file).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, JSONInputError) as error:
         raise ValueError(
-            f"extension configuration file {file} is not valid UTF-8 JSON with finite "
-            f"numbers: {error}"
+            f"extension configuration file {file} is not valid UTF-8 JSON: {error}"
         ) from error
     if not isinstance(configuration, dict):
         raise ValueError("extension configuration file must contain an object")

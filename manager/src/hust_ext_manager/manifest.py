@@ -589,9 +589,7 @@ def load_manifest(path: Path) -> tuple[Manifest, dict[str, Any]]:
     if not stat.S_ISREG(info.st_mode):
         raise ManifestError("manifest must be a regular non-symlink file")
     try:
-        # finite: NaN/Infinity are not JSON, and an activation's additional_config would
-        # carry them into vLLM's --additional-config.
-        document = load_json(path.read_bytes().decode("utf-8"), finite=True)
+        document = load_json(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, JSONInputError) as error:
         raise ManifestError("manifest cannot be read as JSON") from error
     return parse_manifest(document), document

@@ -5,9 +5,10 @@ schema 1 (``{"schema_version": 1, "enabled": [...]}``) is read and migrated. Wri
 an exclusive ``flock`` on a sibling lock file for the whole read-modify-write, so
 concurrent invocations changing different ids never lose each other's updates; the file
 itself is replaced atomically, so readers need no lock. A state file that cannot be
-understood is refused and never rewritten, and so is one with keys this version does not
-know (the spec defines the whole format; silently dropping them on rewrite would lose data).
-A state file that is a symlink stays one: the new state replaces the link's target.
+understood is refused and never rewritten. As in the official manager, top-level keys
+other than the schema's are ignored (and not written back), and numbers are read and
+written as Python's json module does (NaN included). A state file that is a symlink stays
+one: the new state replaces the link's target.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ __all__ = [
 
 CONFIG_ENV = "VLLM_HUST_EXT_CONFIG"
 _ENTRY_KEYS = frozenset({"enabled", "configuration"})
-_TOP_KEYS = {
-    1: frozenset({"schema_version", "enabled"}),
-    2: frozenset({"schema_version", "extensions"}),
-}
 
 
 class ExtensionState(BaseModel):
@@ -99,30 +96,18 @@ def config_path() -> Path:
     return Path(override)
 
 
-def _refuse_unknown_keys(document: dict[str, Any], schema: int, origin: Path | None) -> None:
-    unknown = sorted(document.keys() - _TOP_KEYS[schema])
-    if unknown:
-        where = "vllm-hust-ext config" if origin is None else f"vllm-hust-ext config {origin}"
-        raise ValueError(f"{where} has unknown keys: {unknown}")
-
-
-def parse_state(document: object, origin: Path | None = None) -> State:
-    """Turn a decoded state document into a State, with the protocol's error texts.
-
-    ``origin`` (the file it came from) is named in the unknown-keys error.
-    """
+def parse_state(document: object) -> State:
+    """Turn a decoded state document into a State, with the protocol's error texts."""
     if not isinstance(document, dict):
         raise ValueError("vllm-hust-ext config must be an object")
     schema = document.get("schema_version")
     if schema == 1 and type(schema) is int:
-        _refuse_unknown_keys(document, 1, origin)
         legacy = document.get("enabled", [])
         if not isinstance(legacy, list) or not all(isinstance(i, str) for i in legacy):
             raise ValueError("legacy enabled must be an array of strings")
         return State(extensions={i: ExtensionState(enabled=True) for i in legacy})
     if schema != 2 or type(schema) is not int:
         raise ValueError("vllm-hust-ext config has an unsupported schema")
-    _refuse_unknown_keys(document, 2, origin)
     raw = document.get("extensions", {})
     if not isinstance(raw, dict):
         raise ValueError("vllm-hust-ext extensions must be an object")
@@ -153,11 +138,10 @@ def load_state(path: Path | None = None) -> State:
     except UnicodeDecodeError as error:
         raise ValueError(f"vllm-hust-ext config {target} is not UTF-8") from error
     try:
-        # finite: NaN/Infinity are not JSON and write_state could not write them back.
-        document = load_json(text, finite=True)
+        document = load_json(text)
     except JSONInputError as error:
         raise ValueError(f"vllm-hust-ext config {target} is not valid JSON: {error}") from error
-    return parse_state(document, target)
+    return parse_state(document)
 
 
 def _resolved(path: Path) -> Path:
@@ -169,21 +153,11 @@ def _resolved(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def _document_text(state: State, target: Path) -> str:
-    try:
-        # allow_nan=False: the file must stay standard JSON that any reader accepts.
-        return json.dumps(state.to_document(), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    except ValueError as error:
-        raise ValueError(
-            f"vllm-hust-ext config {target} cannot hold non-finite numbers (NaN, Infinity)"
-        ) from error
-
-
 def write_state(state: State, path: Path | None = None) -> None:
     """Atomic replace of the (link-resolved) file: temp file in its directory, 0600,
     fsync, ``os.replace``."""
     target = _resolved(config_path() if path is None else path)
-    text = _document_text(state, target)
+    text = json.dumps(state.to_document(), indent=2, sort_keys=True) + "\n"
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=".config-", dir=target.parent)
     try:
@@ -215,8 +189,9 @@ def mutate_state(change: Callable[[State], State], path: Path | None = None) -> 
     """Read, change and write the state under the lock; refuses (raises) on a bad file."""
     target = config_path() if path is None else path
     real = _resolved(target)
-    # Lock the resolved file, so two links to one state file share one lock.
+    # Lock, read and write the resolved file: two links to one state file share one lock,
+    # and a link retargeted meanwhile cannot make us write one file's state over another.
     with _locked(real):
-        updated = change(load_state(target))
+        updated = change(load_state(real))
         write_state(updated, real)
     return updated
