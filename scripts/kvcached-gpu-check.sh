@@ -6,16 +6,20 @@
 # KVCACHED_SDIST_DIR: an unpacked kvcached sdist (0.1.6 is the version the provider follows);
 # its extension is built in place against the machine's CUDA torch (>= 2.10).
 # WHEEL_DIR: optional wheels for what the machine lacks (pydantic, platformdirs, posix_ipc...),
-# installed into a private directory, for machines that cannot reach a package index.
+# installed into a private directory, for machines that cannot reach a package index
+# (pass '' for none, to give PYTEST ARGS without wheels).
 # Nothing is installed into the machine's Python.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# Relative arguments name paths from where the script was called, not from the repo root.
 SDIST=$(cd "${1:?usage: kvcached-gpu-check.sh KVCACHED_SDIST_DIR [WHEEL_DIR] [PYTEST ARGS...]}" && pwd)
+WHEELS=${2:+$(cd "$2" && pwd)}
+cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=$(mktemp -d)
+SMOKE_LOG="$SITE/smoke.log"
 trap 'rm -rf "$SITE"' EXIT
-if [ -n "${2:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$2"/*.whl
+if [ -n "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
 fi
 export PYTHONPATH="$SITE"
 build() { (cd "$SDIST" && rm -rf build && MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py -q build_ext --inplace >/dev/null); }
@@ -24,7 +28,7 @@ build() { (cd "$SDIST" && rm -rf build && MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py
 smoke() {
   "$PY" -c 'from kvcached.vmm_ops import PageAllocator
 PageAllocator(1, 2 << 20, 2 << 20, 1, 0, False, True, False, 2, 0, "kvcached_gpu_check_smoke")' \
-    >/dev/null 2>&1
+    >"$SMOKE_LOG" 2>&1
   local rc=$?
   rm -f /dev/shm/kvcached_gpu_check_smoke
   return $rc
@@ -41,8 +45,9 @@ if ! smoke; then
     echo "still crashing; rebuilding with /usr/bin/g++" >&2
     export CXX=/usr/bin/g++ CC=/usr/bin/gcc
     build
-    smoke || { echo "kvcached's extension does not run on this machine" >&2; exit 1; }
+    smoke || { cat "$SMOKE_LOG" >&2; echo "kvcached's extension does not run on this machine" >&2; exit 1; }
   fi
 fi
 "$PY" -c 'import kvcached, torch; print("kvcached", kvcached.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
-exec "$PY" -m pytest -p no:cacheprovider --noconftest -q -ra tests/test_kvcached_real.py "${@:3}"
+# Not exec: the EXIT trap must still remove the private directory.
+"$PY" -m pytest -p no:cacheprovider --noconftest -q -ra tests/test_kvcached_real.py "${@:3}"

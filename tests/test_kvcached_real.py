@@ -86,7 +86,7 @@ def pool(state: Path) -> Iterator[Any]:
                                             "KVCACHED_PROVIDER_STATE_DIR")}
     os.environ["KVCACHED_IPC_NAME"] = IPC
     # Pre-mapped spare pages would blur the page counts compared below.
-    os.environ.setdefault("KVCACHED_PAGE_PREALLOC_ENABLED", "false")
+    os.environ["KVCACHED_PAGE_PREALLOC_ENABLED"] = "false"
     os.environ["KVCACHED_PROVIDER_STATE_DIR"] = str(state)
     manager = open_pool(IPC)
     try:
@@ -194,6 +194,8 @@ def test_responder_serves_a_command_run_in_another_process(
     from kvcached_provider import activation
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    # Set before register(), so that teardown puts back "none started", not the stopped one.
+    monkeypatch.setattr(activation, "_responder", None)
     responder = activation.register()
     assert responder is not None
     try:
@@ -206,7 +208,6 @@ def test_responder_serves_a_command_run_in_another_process(
         assert isinstance(pool._lock, type(threading.RLock()))
     finally:
         responder.stop()
-        monkeypatch.setattr(activation, "_responder", None)
 
 
 def test_a_kvctl_limit_is_detected_and_refused(pool: Any, state: Path) -> None:

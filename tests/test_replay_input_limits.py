@@ -12,7 +12,8 @@ Guarded behaviours:
 * ``--num-gpu-blocks`` has an upper bound (vLLM builds every block up front);
 * every arm's policy is built in a preflight before any arm runs, so a policy whose
   ``from_vllm_config`` fails (wrong result, KeyError, ValueError) is one line naming the
-  arm, and a failure while the engine is built later is one line naming the arm too;
+  arm, and a failure while the engine is built later is one line naming the arm too; the
+  preflight leaves the global random generators as it found them;
 * ``--output-dir ""`` (or blanks) is refused instead of writing into the working directory;
 * CSV traces and capacity schedules may start with a UTF-8 byte-order mark;
 * ``benchmarks/decision_cost.py`` refuses bad ``--sizes``/``--repeat`` as argparse errors;
@@ -134,6 +135,17 @@ def test_rate_scale_that_overflows_arrivals_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_trace_spanning_centuries_is_named_not_the_rate_scale(tmp_path: Path) -> None:
+    trace = tmp_path / "far.jsonl"
+    rows = [{"timestamp": 0, "input_length": 40, "output_length": 4, "hash_ids": [1]},
+            {"timestamp": 2e13, "input_length": 40, "output_length": 4, "hash_ids": [2]}]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = _refused_line(_cli(tmp_path, *QUICK, "--trace", str(trace),
+                              "--output-dir", str(tmp_path / "out")))
+    assert line == (f"bidkv-replay: error: {trace}: the last selected arrival is at 2e+10 s; "
+                    "expected arrivals below 1e+10 s")
+
+
 def test_step_model_that_overflows_a_step_is_refused(tmp_path: Path) -> None:
     model = tmp_path / "step.json"
     model.write_text(json.dumps({"name": "huge", "a": 1e307, "b": 1e307, "c": 1e307,
@@ -198,6 +210,15 @@ class SecondBuildFails:
         return cls()
     def select_victim(self, context):
         return None
+class Drawing:
+    """Seeds itself from the process-wide generators, as plain user code may."""
+    draws = []
+    def __init__(self):
+        import random, numpy, torch
+        Drawing.draws.append(
+            (random.random(), float(numpy.random.random()), float(torch.rand(1))))
+    def select_victim(self, context):
+        return None
 '''
 
 
@@ -236,6 +257,22 @@ def test_policy_that_fails_to_build_is_refused_before_any_arm(
     assert line == f"bidkv-replay: error: arm {spec!r}: its policy cannot be built: {expected}"
     assert ran == []  # nothing was run, so nothing finished was lost
     assert not (tmp_path / "out").exists()
+
+
+def test_the_preflight_leaves_the_global_generators_as_it_found_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, policy_module: str
+) -> None:
+    """The preflight builds each policy once more; a policy seeding itself from Python's,
+    numpy's or torch's global generator must draw in the run what it would have drawn
+    without the preflight, so its decisions do not change."""
+    import importlib
+
+    code = main([*QUICK, "--policy-class", f"{policy_module}:Drawing",
+                 "--output-dir", str(tmp_path / "out")])
+    capsys.readouterr()
+    draws = importlib.import_module(policy_module).Drawing.draws
+    assert code == 0 and len(draws) == 2  # the preflight's build, then the run's
+    assert draws[0] == draws[1]
 
 
 def test_engine_build_failure_during_the_run_names_the_arm(

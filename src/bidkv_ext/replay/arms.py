@@ -260,7 +260,7 @@ def _policy_object(flag: str, spec: str, module_name: str, attrs: list[str]) -> 
             obj = getattr(obj, part)
     except Exception as exc:
         # Any exception: importing the user's module runs its code, which may raise anything.
-        raise ArmError(f"{flag} {spec!r} cannot be imported: {_one_line(exc)}") from None
+        raise ArmError(f"{flag} {spec!r} cannot be imported: {error_line(exc)}") from None
     problem = _not_a_policy(obj)
     if problem:
         raise ArmError(f"{flag} {spec!r}: {problem}")
@@ -294,7 +294,18 @@ def _not_a_policy(obj: object) -> str:
     return ""
 
 
-def _one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; of a pydantic ValidationError, its first error only
+    (its text spans several lines and ends in a documentation URL)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            message = str(first["msg"])
+            return f"{type(exc).__name__}: {where + ': ' if where else ''}{message}"
+        except (TypeError, IndexError, KeyError):
+            pass
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

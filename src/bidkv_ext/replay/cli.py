@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     too_big = len(selection.requests) - len(requests)
     if not requests:
         raise _UsageError(f"{trace_path}: no request left after the window and length filters")
-    _check_arrivals(requests, args.rate_scale)
+    _check_arrivals(requests, args.rate_scale, trace_path)
 
     # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
     from bidkv_ext.replay.engine import ReplayError, ReplaySettings, preflight_arms
@@ -362,13 +362,18 @@ def _run(args: argparse.Namespace) -> int:
     return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
 
 
-def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float) -> None:
-    """A tiny --rate-scale divides the gaps into times the float clock cannot hold."""
+def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float, trace: Path) -> None:
+    """Arrivals the float clock cannot hold: a trace spanning centuries, or a tiny
+    --rate-scale dividing its gaps into such times."""
     last = requests[-1].arrival
-    if not last <= MAX_SIMULATED_SECONDS:  # also catches inf (NaN cannot occur here)
-        raise _UsageError(
-            f"--rate-scale {rate_scale:g} stretches the last arrival to {last:g} s; expected "
-            f"a rate scale that keeps arrivals below {MAX_SIMULATED_SECONDS:g} s")
+    if last <= MAX_SIMULATED_SECONDS:  # False for inf too (NaN cannot occur here)
+        return
+    if rate_scale == 1:
+        raise _UsageError(f"{trace}: the last selected arrival is at {last:g} s; expected "
+                          f"arrivals below {MAX_SIMULATED_SECONDS:g} s")
+    raise _UsageError(
+        f"--rate-scale {rate_scale:g} stretches the last arrival to {last:g} s; expected "
+        f"a rate scale that keeps arrivals below {MAX_SIMULATED_SECONDS:g} s")
 
 
 def _replay_all(

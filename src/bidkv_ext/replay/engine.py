@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from bidkv_ext.config import BidKVConfig
-from bidkv_ext.replay.arms import Arm, arm_additional_config
+from bidkv_ext.replay.arms import Arm, arm_additional_config, error_line
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
 from bidkv_ext.replay.trace import TraceRequest
@@ -224,7 +224,7 @@ def run_arm(
     except Exception as exc:
         # The arm's own code (its from_vllm_config) runs here and may raise anything.
         raise ReplayError(f"arm {arm.label!r}: the engine cannot be built: "
-                          f"{_one_line(exc)}") from None
+                          f"{error_line(exc)}") from None
     prompts = PromptFactory(settings.seed)
     elastic = _elastic_pool(scheduler, requests, settings)
     policy = scheduler.controller.policy
@@ -294,30 +294,46 @@ def preflight_arms(
     (the same for every arm); anything else, and every error of the policy's own code
     (``from_vllm_config``, its constructor, a result that is no policy), becomes a
     :class:`ReplayError` naming the arm. The policies built here are dropped; the engine's
-    scheduler is not built, so no evidence event is emitted twice.
+    scheduler is not built, so no evidence event is emitted twice. A policy's constructor
+    thus runs once more per arm: the global random generators (Python's, numpy's, torch's)
+    are restored afterwards, so a policy that seeds itself from them decides as without
+    the preflight; other side effects of its constructor happen twice.
     """
     from bidkv_ext.controller import load_policy
 
     offline = _host()
     true_output = _true_output(requests)
-    for arm in arms:
-        try:
-            vllm_config, _ = _vllm_config(offline, arm, settings)
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ReplayError(f"arm {arm.label!r}: the engine's configuration cannot be "
-                              f"built: {_one_line(exc)}") from None
-        try:
-            load_policy(arm.factory(true_output), vllm_config)
-        except Exception as exc:
-            raise ReplayError(f"arm {arm.label!r}: its policy cannot be built: "
-                              f"{_one_line(exc)}") from None
+    with _global_rng_kept():
+        for arm in arms:
+            try:
+                vllm_config, _ = _vllm_config(offline, arm, settings)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise ReplayError(f"arm {arm.label!r}: the engine's configuration cannot be "
+                                  f"built: {error_line(exc)}") from None
+            try:
+                load_policy(arm.factory(true_output), vllm_config)
+            except Exception as exc:
+                raise ReplayError(f"arm {arm.label!r}: its policy cannot be built: "
+                                  f"{error_line(exc)}") from None
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+@contextmanager
+def _global_rng_kept() -> Iterator[None]:
+    """Restore the process-wide random generators a policy constructor may draw from."""
+    import random
+
+    import numpy as np
+    import torch
+
+    python, legacy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(legacy)
+        torch.set_rng_state(cpu)
 
 
 def _observed_run(
