@@ -1,5 +1,7 @@
 """BidKVConfig: inert by default, kill switch wins, precedence, one-line errors naming
-the source."""
+the source. An inactive policy asks the host for no facts; ``from_vllm_config`` ignores an
+``additional_config`` that is not a mapping and engine facts that are not a positive block
+size or a boolean prefix-caching flag."""
 
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ def test_defaults_are_inert_and_kill_switch_wins() -> None:
     killed = BidkvPreemptionPolicy(BidKVConfig(enabled=True, kill_switch=True))
     assert killed.select_victim(context) is None
     assert BidkvPreemptionPolicy(BidKVConfig(enabled=True)).select_victim(context) is not None
+
+
+def test_an_inactive_policy_wants_no_host_facts() -> None:
+    """Computing facts costs the host a pass over the block tables; an inactive policy
+    (disabled, or kill switch on) abstains without reading them, so it asks for none."""
+    assert BidkvPreemptionPolicy(BidKVConfig(enabled=True)).wants_host_facts
+    assert not BidkvPreemptionPolicy(BidKVConfig()).wants_host_facts
+    assert not BidkvPreemptionPolicy(BidKVConfig(enabled=True, kill_switch=True)).wants_host_facts
 
 
 def test_manifest_activation_restates_the_defaults() -> None:
@@ -198,6 +208,34 @@ def test_from_vllm_config_reads_additional_config_env_and_engine(
     monkeypatch.setenv("BIDKV_UTILITY_CASCADE_GAIN_RATIO", "0")
     with pytest.raises(ValueError, match="BIDKV_UTILITY_CASCADE_GAIN_RATIO"):
         BidkvPreemptionPolicy.from_vllm_config(Vllm())
+
+
+def test_from_vllm_config_ignores_values_that_are_not_engine_facts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-mapping ``additional_config`` is no configuration, and a block size that is not
+    a positive integer or a prefix-caching flag that is not a boolean is no engine fact:
+    the environment's settings stay in force instead of the load failing."""
+
+    class Cache:
+        block_size: object = 0
+        enable_prefix_caching: object = None
+
+    class Vllm:
+        additional_config: object = "not a mapping"
+        cache_config = Cache()
+
+    monkeypatch.setenv("BIDKV_UTILITY_ENABLE", "1")
+    monkeypatch.setenv("BIDKV_UTILITY_BLOCK_SIZE", "32")
+    monkeypatch.setenv("BIDKV_UTILITY_PREFIX_CACHING", "0")
+    for block_size in (0, -16, "16", 16.0, None):
+        Cache.block_size = block_size
+        policy = BidkvPreemptionPolicy.from_vllm_config(Vllm())
+        assert policy.config.is_active
+        assert (policy.config.block_size, policy.config.prefix_caching) == (32, False)
+    Cache.block_size, Cache.enable_prefix_caching = 64, True
+    policy = BidkvPreemptionPolicy.from_vllm_config(Vllm())
+    assert (policy.config.block_size, policy.config.prefix_caching) == (64, True)
 
 
 def test_no_argument_constructor_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,7 @@
 """Guards: the liveness bound holds per epoch, state is bounded, the cascade guard and
-priority classes behave as documented; ties go to the built-in victim."""
+priority classes behave as documented; ties go to the built-in victim. A negative liveness
+threshold is refused, and after the guard has set the favourite aside the selector's
+position hint never names another request than the victim."""
 
 from __future__ import annotations
 
@@ -184,3 +186,36 @@ def test_barrier_victim_starts_the_new_epoch_with_a_full_budget() -> None:
     assert [c.request_id for c in guard.filter(
         (cand("x", preemptions=4), cand("y", preemptions=4), cand("new", preemptions=2))
     ).eligible] == ["y"]
+
+
+def test_a_negative_threshold_is_refused() -> None:
+    from bidkv_ext.guards import LivenessGuard
+
+    with pytest.raises(ValueError, match="non-negative"):
+        LivenessGuard(-1)
+    assert LivenessGuard(0).allows(cand("x", preemptions=99))
+
+
+def test_position_hint_names_the_victim_after_the_guard_filtered() -> None:
+    """``victim_index_hint`` is a position in ``context.candidates`` (or -1): when the guard
+    sets the spent favourite aside, the strategy's index into the eligible subset is no such
+    position, and the previous decision's hint is stale."""
+    policy = BidkvPreemptionPolicy(
+        BidKVConfig(enabled=True, cascade_gain_ratio=1.0, liveness_preemptions=1)
+    )
+    cands = [cand("r", computed=50), cand("a", computed=100), cand("b", computed=200),
+             cand("c", computed=300)]
+    victims: list[str] = []
+    for _ in range(2):
+        context = ctx(cands, requester="r")
+        victim = policy.select_victim(context)
+        assert victim is not None
+        hint = policy.victim_index_hint
+        assert hint == -1 or context.candidates[hint].request_id == victim
+        victims.append(victim)
+        cands = [dataclasses.replace(c, num_preemptions=c.num_preemptions + 1)
+                 if c.request_id == victim else c for c in cands]
+    # The utility's favourite is the requester at position 0 (fewest tokens to recompute);
+    # in the second decision it has spent its budget, so the victim comes from the filter.
+    assert victims[0] == "r" and victims[1] != "r"
+    assert policy.barrier_decisions == 0

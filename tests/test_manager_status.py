@@ -2,7 +2,11 @@
 
 Guards: ``runtime_effective`` appears only while a live process with the recorded pid and
 ``/proc`` start time has an ``effective`` event for the bundle (the bundle's own stdlib
-writer and the manager's sink write the same line format); a later ``disabled`` event or
+writer and the manager's sink write the same line format; the bundle's lines are bound only
+with both launch ids, only ``effective`` lines are an observation, the sink's binding is
+fixed when it is made, its file is private and its directory is created, a failed write is
+ignored unless strict, and a line names the given process by its ``/proc`` start time even
+when its command name holds spaces and ``)``); a later ``disabled`` event or
 a dead/recycled pid removes it; ``vllm_hust_ext.bundle_checks`` functions are loaded only
 by status/check/run, their lines are evidence and a failure degrades status and refuses
 ``run``; host range, qualification profile and service health refusals; per-key
@@ -15,10 +19,12 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +135,84 @@ def test_bundle_writer_and_manager_sink_write_the_same_format(
         assert line["stats"] == {"calls": 1}
     with pytest.raises(ValueError, match="bound"):
         runtime_evidence.record_event({"schema": "x"})
+
+
+def test_bundle_lines_are_bound_by_both_ids_fixed_at_sink_creation(tmp_path: Path) -> None:
+    """A line is ``bound`` only with both the plan and the launch id; only ``effective``
+    lines carry ``observation_kind``; the sink keeps the binding it was made with."""
+    both = {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"}
+    for environ in ({}, {"VLLM_ECPA_PLAN_ID": "p"}, {"VLLM_ECPA_LAUNCH_ID": "l"}):
+        assert evidence_line("effective", {}, environ)["binding_status"] == "unbound"
+    assert evidence_line("effective", {}, both)["binding_status"] == "bound"
+    assert evidence_line("effective", {}, both)["observation_kind"] == "runtime_effective"
+    for event in ("initialized", "disabled"):
+        assert "observation_kind" not in evidence_line(event, {}, both)
+    path = tmp_path / "ev.jsonl"
+    environ = {**both, "VLLM_HUST_EXT_EVIDENCE_PATH": str(path)}
+    sink = evidence_sink_from_env(environ)
+    assert sink is not None
+    environ["VLLM_ECPA_LAUNCH_ID"] = "later"
+    sink("effective", {})
+    (line,) = (json.loads(text) for text in path.read_text().splitlines())
+    assert (line["plan_id"], line["launch_id"], line["binding_status"]) == ("p", "l", "bound")
+
+
+def test_bundle_sink_file_mode_directory_and_write_failures(tmp_path: Path) -> None:
+    """The sink creates the missing directories and a 0600 file; an empty path is no sink;
+    a failed write is ignored unless VLLM_ECPA_EVIDENCE_STRICT=1, which raises it."""
+    key = "VLLM_HUST_EXT_EVIDENCE_PATH"
+    path = tmp_path / "new" / "dir" / "ev.jsonl"
+    old = os.umask(0o022)
+    try:
+        sink = evidence_sink_from_env({key: str(path)})
+        assert sink is not None
+        sink("initialized", {})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_text())["event"] == "initialized"
+    assert evidence_sink_from_env({key: ""}) is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = str(blocker / "ev.jsonl")  # its parent is a file: the write fails
+    for strict in ({}, {"VLLM_ECPA_EVIDENCE_STRICT": "0"}):
+        quiet = evidence_sink_from_env({key: target, **strict})
+        assert quiet is not None
+        quiet("effective", {})
+    loud = evidence_sink_from_env({key: target, "VLLM_ECPA_EVIDENCE_STRICT": "1"})
+    assert loud is not None
+    with pytest.raises(OSError):
+        loud("effective", {})
+
+
+def test_bundle_line_names_the_given_process(tmp_path: Path) -> None:
+    """``pid=`` names another process: its pid and its ``/proc`` start identity as the
+    manager reads it, also when the command name holds spaces and ')'; a pid with no
+    ``/proc`` entry has an empty identity."""
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; open('/proc/self/comm', 'w').write('ev) x (y'); "
+        "open(sys.argv[1], 'w').write('1'); time.sleep(120)"), str(ready)])
+    try:
+        for _ in range(3000):
+            if ready.exists():
+                break
+            assert child.poll() is None
+            time.sleep(0.01)
+        assert "(ev) x (y)" in Path(f"/proc/{child.pid}/stat").read_text()
+        line = evidence_line("effective", {}, {}, pid=child.pid)
+        identity = runtime_evidence.start_identity(child.pid)
+        assert identity is not None and identity.startswith(f"pid:{child.pid}:start_ticks:")
+        process = line["process"]
+        assert isinstance(process, dict)
+        assert (process["pid"], process["start_identity"]) == (child.pid, identity)
+    finally:
+        child.kill()
+        child.wait()
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    assert runtime_evidence.start_identity(gone) is None
+    process = evidence_line("effective", {}, {}, pid=gone)["process"]
+    assert isinstance(process, dict) and process["start_identity"] == ""
 
 
 _CHILD = textwrap.dedent(

@@ -15,6 +15,17 @@ Guarded behaviour:
   with ``in_shrink`` true while a shrink is pending, absent with ``--no-capacity-signals``;
 - the host's ``pages_released`` fact on a hand-built block layout, and ``None`` without a
   page model.
+- the schedule's times are counted from the pool's origin (the first arrival); a second
+  shrink before the first completes is one shrink timed from its start; the summary's
+  mean completion time, steps and time in shrink, and a timeline that records every change
+  of the target or of the effective capacity;
+- the reserve counts blocks it already holds on a page when it picks the page, and growth
+  releases the blocks reserved last first;
+- capacity signals while a shrink is pending: limit from the target, effective limit and
+  mapped bytes from the reserve, and a partial last page that is free counts as free;
+- blocks the reserve takes leave the prefix cache (their KV is gone: no request may hit
+  them, during the shrink or after the growth), on the real scheduler;
+- ``blocks_per_page`` below 1 is refused, and a CSV header may have blanks around names.
 No kvcached is involved: the elastic pool is the replay's own simulation over vLLM's pool.
 """
 
@@ -28,6 +39,7 @@ from typing import Any
 import pytest
 
 from bidkv_ext.replay.capacity import (
+    PAGE_BYTES,
     CapacitySchedule,
     CapacityScheduleError,
     ElasticPool,
@@ -450,3 +462,118 @@ def test_register_source_is_exclusive_and_scoped() -> None:
         assert signals.current_page_model() == signals.PageModel(4, 8)
     assert signals.current_page_model() is None
     assert signals.PageModel(4, 10).page_size(2) == 2
+
+
+# -- statistics, page choice, signals and the prefix cache on a bare pool -----------------
+
+
+@needs_vllm
+def test_origin_statistics_and_timeline_over_two_shrinks() -> None:
+    """Schedule times count from ``origin``. Shrinks at t=1 (to 32) and t=2 (to 16) are
+    pending until blocks free at t=3: one completion of 2 s, from the first shrink. Growth
+    at t=5, then a shrink at t=6 that completes at once: durations 2 and 0 s."""
+    pool = _block_pool(65)  # 64 usable
+    held = pool.get_new_blocks(48)
+    points = [{"t": 1, "blocks": 32}, {"t": 2, "blocks": 16}, {"t": 5, "blocks": 64},
+              {"t": 6, "blocks": 48}]
+    elastic = ElasticPool(pool, _schedule(points, 64), blocks_per_page=8, origin=100.0)
+    assert elastic.next_change_after(100.5) == 101.0
+    elastic.before_step(100.5)
+    assert elastic.target == 64 and not elastic.in_shrink
+    elastic.before_step(101.0)  # 16 free blocks of the 32 wanted
+    elastic.before_step(102.0)  # none free of the 48 wanted
+    assert elastic.in_shrink and elastic.reserved == 16
+    pool.free_blocks(held[:40])
+    elastic.before_step(103.0)
+    assert not elastic.in_shrink and elastic.reserved == 48
+    elastic.before_step(105.0)
+    elastic.before_step(106.0)
+    assert elastic.shrink_durations == [2.0, 0.0]
+    assert elastic.timeline == [(0.0, 64, 64), (1.0, 32, 48), (2.0, 16, 48), (3.0, 16, 16),
+                                (5.0, 64, 64), (6.0, 48, 48)]
+    summary = elastic.summary()
+    assert (summary["shrinks"], summary["grows"], summary["shrinks_completed"]) == (3, 1, 2)
+    assert summary["shrink_completion_s"] == {"max": 2.0, "mean": 1.0}
+    assert (summary["steps_in_shrink"], summary["time_in_shrink_s"]) == (2, 2.0)
+    assert summary["capacity_changes"] == len(elastic.timeline) - 1
+    pool.free_blocks(held[40:])
+    assert elastic.finish()["reserve_released"] is True
+    assert pool.get_num_free_blocks() == 64
+
+
+@needs_vllm
+def test_reserve_counts_its_own_blocks_per_page_and_releases_the_last_first() -> None:
+    """Pages of 8. The first shrink takes 4 of page 1's 5 free blocks. For two more, page 1
+    (1 free + 4 reserved) goes before page 3 (4 free, none reserved). A growth by one block
+    gives back the block reserved last."""
+    pool = _block_pool(33)
+    by_id = {b.block_id: b for b in pool.get_new_blocks(32)}
+    pool.free_blocks([by_id[i] for i in (8, 9, 10, 11, 12, 24, 25, 26, 27)])
+    points = [{"t": 0, "blocks": 28}, {"t": 1, "blocks": 26}, {"t": 2, "blocks": 27}]
+    elastic = ElasticPool(pool, _schedule(points, 32), blocks_per_page=8)
+    elastic.before_step(0.0)
+    assert sorted(elastic._reserved) == [8, 9, 10, 11]
+    elastic.before_step(1.0)
+    assert sorted(elastic._reserved) == [8, 9, 10, 11, 12, 24]
+    elastic.before_step(2.0)
+    assert sorted(elastic._reserved) == [8, 9, 10, 11, 12]
+    elastic.finish()
+
+
+@needs_vllm
+def test_signals_while_a_shrink_is_pending_and_a_free_partial_page() -> None:
+    """33 blocks in pages of 8: the last page holds block 32 alone. Requests hold 1..31;
+    a shrink to 28 reserves block 32 and waits for 3 more. Limit: the target; effective
+    limit: usable minus the reserve; mapped: every page but the free last one."""
+    pool = _block_pool(33)
+    held = pool.get_new_blocks(31)
+    elastic = ElasticPool(pool, _schedule([{"t": 0, "blocks": 28}], 32), blocks_per_page=8)
+    elastic.before_step(0.0)
+    assert elastic.in_shrink and sorted(elastic._reserved) == [32]
+    block_bytes = PAGE_BYTES // 8
+    got = elastic.capacity_signals()
+    assert got.physical_free_pages == elastic.physical_free_pages() == 1
+    assert (got.memory_limit_bytes, got.effective_limit_bytes) == (28 * block_bytes,
+                                                                   31 * block_bytes)
+    assert got.mapped_bytes == (elastic.num_pages - 1) * PAGE_BYTES == 4 * PAGE_BYTES
+    assert got.in_shrink and got.available_blocks == 0
+    pool.free_blocks(held)
+    elastic.finish()
+
+
+@needs_vllm
+def test_reserved_blocks_leave_the_prefix_cache(vllm_offline: Any, make_scheduler: Any) -> None:
+    """A finished request leaves its full blocks cached and free; once the reserve has
+    taken them their KV is gone, so the same prompt hits nothing, while they are reserved
+    and after the growth that returns them."""
+    scheduler = make_scheduler(num_gpu_blocks=33)
+    prompt = _prompt(7, 4)
+    scheduler.add_request(vllm_offline.make_request("a", prompt, 2, 0.0))
+    vllm_offline.run_to_completion(scheduler)
+    manager = scheduler.kv_cache_manager
+
+    def hit(rid: str) -> int:
+        return int(manager.get_computed_blocks(vllm_offline.make_request(rid, prompt, 2, 1.0))[1])
+
+    assert hit("before") == 3 * 16  # the full blocks but the last (one token is computed)
+    pool = manager.block_pool
+    elastic = ElasticPool(pool, _schedule([{"t": 0, "blocks": 1}, {"t": 1, "blocks": 32}], 32),
+                          blocks_per_page=8)
+    elastic.before_step(0.0)
+    assert elastic.reserved == 31 and pool.get_num_free_blocks() == 1
+    assert hit("reserved") == 0
+    elastic.before_step(1.0)
+    assert elastic.reserved == 0 and hit("grown") == 0
+    elastic.finish()
+
+
+def test_blocks_per_page_below_one_and_csv_blanks(tmp_path: Path) -> None:
+    class Pool:
+        num_gpu_blocks = 10
+
+    with pytest.raises(ValueError, match="blocks_per_page must be >= 1, got 0"):
+        ElasticPool(Pool(), _schedule([{"t": 0, "blocks": 5}], 9), blocks_per_page=0)
+    path = tmp_path / "s.csv"
+    path.write_text(" t , blocks \n0, 10\n 2.5 ,20\n")
+    schedule = load_capacity_schedule(path, 99)
+    assert schedule.as_list() == [{"t": 0.0, "blocks": 10}, {"t": 2.5, "blocks": 20}]

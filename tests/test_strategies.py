@@ -1,11 +1,24 @@
-"""Each named strategy picks by its rule; the registry keeps the reference BidKV's API."""
+"""Each named strategy picks by its rule; the registry keeps the reference BidKV's API.
+
+Also guarded: the registry's ``count`` and ``in``; a name registered before
+``create_default_registry`` keeps its strategy, and the selector uses the registry it is
+given; the catalog configures the peers from the policy's settings (``seed`` for
+``random`` and its alias ``static-random``, ``default_max_tokens`` for
+``shortest-remaining``, ``block_size`` for ``cost-aware``); ``random`` reaches every
+candidate; ``shortest-remaining`` counts the output already produced and substitutes the
+default for a missing ``max_tokens``; ``cost-aware`` rounds blocks up, counts output in the
+current tokens and damps by generation progress; ties of the max-score peers go to the
+newest.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from bidkv_ext import BaselineRegistry, BidKVConfig, BidkvPreemptionPolicy
+from bidkv_ext.contract import PreemptionCandidate, PreemptionContext, PreemptionContextFacts
 from bidkv_ext.strategies import STRATEGY_NAMES, default_registry
+from bidkv_ext.strategies.base import Candidates
 from tests.policy_helpers import cand, ctx
 
 CANDS = [
@@ -100,3 +113,97 @@ def test_least_computed_first_ties_go_to_the_first_in_running_order() -> None:
     assert policy.select_victim(ctx(tied[::-1])) == "z"
     assert policy.select_victim(ctx([cand("p", computed=7), cand("q", computed=7)],
                                     builtin="q")) == "p"
+
+
+def select(strategy: str, cands: list[PreemptionCandidate], **settings: object) -> str | None:
+    config = BidKVConfig(enabled=True, strategy=strategy, **settings)  # type: ignore[arg-type]
+    return BidkvPreemptionPolicy(config).select_victim(ctx(cands))
+
+
+class _Head:
+    """A user's rule registered under a built-in name: the head of the running list."""
+
+    name = "lifo"
+
+    def choose(
+        self, candidates: Candidates, context: PreemptionContext,
+        facts: PreemptionContextFacts | None,
+    ) -> PreemptionCandidate | None:
+        return candidates[0] if candidates else None
+
+
+def test_registry_count_membership_and_a_name_registered_first() -> None:
+    """``count`` and ``in`` report what is registered; ``create_default_registry`` adds only
+    the names not taken, so a strategy registered first under a built-in name stays, and a
+    policy built with that registry decides by it."""
+    registry = BaselineRegistry()
+    assert registry.count == 0 and "lifo" not in registry
+    mine = _Head()
+    registry.register(mine)
+    assert registry.count == 1 and "lifo" in registry
+    registry.create_default_registry()
+    assert registry.get("lifo") is mine
+    assert registry.count == len(registry.names()) == len(STRATEGY_NAMES)
+    assert "largest-first" in registry and "static-random" in registry
+    assert "nope" not in registry and 3 not in registry
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="lifo"), registry=registry)
+    assert policy.strategy is mine
+    assert policy.select_victim(ctx(CANDS)) == CANDS[0].request_id  # the head, not the tail
+    assert default_registry().get("lifo") is not mine
+
+
+def test_static_random_is_random_seeded_from_the_settings() -> None:
+    """The reference name ``static-random`` is ``random`` under the policy's ``seed``: the
+    same victims for the same seed, other victims for another seed."""
+
+    def run(strategy: str, seed: int) -> list[str | None]:
+        policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy=strategy, seed=seed))
+        return [policy.select_victim(ctx(CANDS)) for _ in range(20)]
+
+    for seed in (1, 2, 7):
+        assert run("static-random", seed) == run("random", seed)
+    assert run("static-random", 1) != run("static-random", 2)
+    assert len(set(run("static-random", 1))) > 1
+
+
+def test_random_reaches_every_candidate() -> None:
+    """A uniform choice: over many decisions each position is taken, the last one included
+    (and a lone candidate is always the victim)."""
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="random", seed=0))
+    seen = {policy.select_victim(ctx(CANDS)) for _ in range(200)}
+    assert seen == {c.request_id for c in CANDS}
+    assert policy.select_victim(ctx(CANDS[:1])) == CANDS[0].request_id
+
+
+def test_shortest_remaining_counts_output_and_the_default_max_tokens() -> None:
+    """Remaining work is max_tokens - output tokens; max_tokens <= 0 means
+    ``default_max_tokens`` (from the settings); ties go to the newest."""
+    # 100 left against 500 left: the output produced counts, not max_tokens alone.
+    assert select("shortest-remaining", [cand("near", output=900, max_tokens=1000),
+                                         cand("far", output=0, max_tokens=500)]) == "far"
+    unknown = [cand("unknown", output=100, max_tokens=0), cand("known", output=0, max_tokens=500)]
+    assert select("shortest-remaining", unknown) == "unknown"  # 1024 - 100 = 924 left
+    assert select("shortest-remaining", unknown, default_max_tokens=200) == "known"  # 100 left
+    tied = [cand("x", max_tokens=300), cand("y", max_tokens=300), cand("z", max_tokens=300)]
+    assert select("shortest-remaining", tied) == "z"
+
+
+def test_cost_aware_blocks_current_tokens_and_progress() -> None:
+    """``B / max(1, T) * (1 - O / M)``: B = ceil(computed / block_size) with the configured
+    block size, T = prompt + output, the output's share of max_tokens damps; ties go to
+    the newest."""
+    # Block size 16: "odd" spans 2 blocks for 24 tokens (1/12 per token), "even" 1 for 16.
+    # Block size 32: one block each, so the smaller request gives more per token.
+    sizes = [cand("even", computed=16, prompt=16), cand("odd", computed=24, prompt=24)]
+    assert select("cost-aware", sizes) == "odd"
+    assert select("cost-aware", sizes, block_size=32) == "even"
+    # Output tokens are current tokens: "chatty" holds 100 blocks over 1600 tokens, not 100.
+    chatty = [cand("chatty", computed=1600, prompt=100, output=1500, max_tokens=100_000),
+              cand("prompt", computed=1600, prompt=1600, output=0, max_tokens=100_000)]
+    assert select("cost-aware", chatty) == "prompt"
+    # Nearly done (16 of 17 tokens): damped to 1/17 of its 2 blocks per 17 tokens.
+    done = [cand("done", computed=17, prompt=1, output=16, max_tokens=17),
+            cand("fresh", computed=16, prompt=16, output=0, max_tokens=17)]
+    assert select("cost-aware", done) == "fresh"
+    tied = [cand("x", computed=160, prompt=160), cand("y", computed=160, prompt=160)]
+    assert select("cost-aware", tied) == "y"
