@@ -207,3 +207,18 @@ def test_cost_aware_blocks_current_tokens_and_progress() -> None:
     assert select("cost-aware", done) == "fresh"
     tied = [cand("x", computed=160, prompt=160), cand("y", computed=160, prompt=160)]
     assert select("cost-aware", tied) == "y"
+
+
+def test_shortest_remaining_still_chooses_when_every_candidate_is_past_its_cap() -> None:
+    """A request past its cap (output > max_tokens) has a negative estimate; the rule still
+    takes the one with the most left instead of abstaining to the host's victim."""
+    past = [cand("a", output=1500, max_tokens=0), cand("b", output=1100, max_tokens=0)]
+    assert select("shortest-remaining", past) == "b"  # 1024 - 1100 > 1024 - 1500
+
+
+def test_sglang_full_ties_go_to_the_last_in_batch_order() -> None:
+    """SGLang's retract_decode sorts with reverse=True (stable) and pops the last element,
+    so among equal (output, prompt) keys it retracts the last request of the batch."""
+    tied = [cand("x", output=3, prompt=100), cand("y", output=3, prompt=100),
+            cand("z", output=4, prompt=100)]
+    assert select("sglang", tied) == "y"

@@ -106,11 +106,12 @@ class ShortestRemaining:
     ) -> PreemptionCandidate | None:
         fallback = self.default_max_tokens
         best: PreemptionCandidate | None = None
-        best_left = -1
+        best_left = 0
         for candidate in reversed(candidates):
             cap = candidate.max_tokens if candidate.max_tokens > 0 else fallback
             left = cap - candidate.num_output_tokens
-            if left > best_left:
+            # No floor on ``left``: past its cap a request still has a most-remaining one.
+            if best is None or left > best_left:
                 best, best_left = candidate, left
         return best
 
@@ -162,7 +163,8 @@ class CostAware:
 
 @dataclass(frozen=True, slots=True)
 class SglangRetract:
-    """SGLang's ``retract_decode`` order: fewest output tokens, ties to the longest prompt."""
+    """SGLang's ``retract_decode`` order: fewest output tokens, ties to the longest prompt,
+    then to the last in batch order."""
 
     name: str = "sglang"
 
@@ -171,4 +173,7 @@ class SglangRetract:
     ) -> PreemptionCandidate | None:
         if not candidates:
             return None
-        return min(candidates, key=lambda c: (c.num_output_tokens, -c.num_prompt_tokens))
+        # SGLang sorts stably with reverse=True and pops the last: among full ties it
+        # retracts the last in batch order, so scan from the end.
+        return min(reversed(candidates),
+                   key=lambda c: (c.num_output_tokens, -c.num_prompt_tokens))
