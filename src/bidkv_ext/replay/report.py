@@ -286,11 +286,15 @@ def write_json(path: Path, document: Mapping[str, Any]) -> None:
     """Write ``document`` (NaN as null); raises :class:`NonFiniteError` before touching
     ``path`` if a figure is infinite, since JSON has no infinity."""
     cleaned = _clean(document)
-    found = _non_finite(cleaned, "")
-    if found:
+    try:
+        text = json.dumps(cleaned, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError:
+        # Only then is the document walked, to name the figure json.dumps refused.
+        found = _non_finite(cleaned, "")
+        if not found:
+            raise
         raise NonFiniteError(f"cannot write {path}: {found[0]} is {found[1]}; JSON holds "
-                             "only finite numbers")
-    text = json.dumps(cleaned, indent=2, sort_keys=True, allow_nan=False) + "\n"
+                             "only finite numbers") from None
     write_atomic(path, text.encode())
 
 
