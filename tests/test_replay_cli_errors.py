@@ -141,7 +141,7 @@ def test_additional_config_and_step_model_nested_too_deeply(
     """Over-deep JSON in --additional-config and --step-model is a one-line error."""
     deep = "[" * 20_000 + "]" * 20_000
     message = _refused(capsys, tmp_path, "--additional-config", deep)
-    assert message.endswith("--additional-config: JSON nested too deeply")
+    assert message.endswith("--additional-config: JSON nested too deeply; expected a JSON object")
     path = _write(tmp_path, "model.json", deep)
     assert f"{path}: JSON/TOML nested too deeply" in _refused(
         capsys, tmp_path, "--step-model", str(path)

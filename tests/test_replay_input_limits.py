@@ -4,7 +4,8 @@ costs no finished arm (``bidkv-replay`` and the benchmarks).
 Guarded behaviours:
 
 * an integer over Python's int-digits limit (4300) in a Mooncake trace line, a capacity
-  schedule, ``--additional-config`` or a ``--policies`` override names its input;
+  schedule, ``--additional-config`` or a ``--policies`` override names its input, and so
+  does an over-deep ``--policies`` override (malformed ones stay plain strings);
 * ``--additional-config`` refuses NaN, Infinity and numbers that overflow to infinity; a
   ``--rate-scale`` or ``--step-model`` that makes simulated times non-finite is refused
   naming the flag or file, all before any arm runs; and a figure JSON cannot hold that
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from bidkv_ext.replay import cli
+from bidkv_ext.replay import arms, cli
 from bidkv_ext.replay.capacity import load_capacity_schedule
 from bidkv_ext.replay.cli import main
 from bidkv_ext.replay.trace import load_trace
@@ -100,11 +101,29 @@ def test_integer_over_digit_limit_names_its_input(tmp_path: Path, where: str) ->
         named = "--additional-config: an integer has more than"
     else:
         argv += ["--policies", f"bidkv{{seed={HUGE}}}"]
-        named = "--policies: 'bidkv': seed has more than"
+        named = "--policies: 'bidkv': seed: an integer has more than"
     line = _refused_line(_cli(tmp_path, *argv))
     assert named in line and "4300 digits" in line
     assert len(line) < 300  # the digits themselves are not echoed
     assert not (tmp_path / "out").exists()
+
+
+
+def test_policies_override_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
+    """A ``--policies`` value the JSON parser refuses for depth (not for syntax) is not
+    taken as a plain string: it is a one-line error naming the arm and the key, not a
+    RecursionError traceback."""
+    deep = "[" * 5000 + "]" * 5000
+    line = _refused_line(_cli(tmp_path, "--policies", f"bidkv{{seed={deep}}}",
+                              "--output-dir", str(tmp_path / "out")))
+    assert line.endswith("--policies: 'bidkv': seed: JSON nested too deeply")
+    assert not (tmp_path / "out").exists()
+
+
+def test_policies_override_that_is_not_json_stays_a_string() -> None:
+    """Malformed JSON in an override is a plain string value (``strategy=lcf``), as before."""
+    assert arms._overrides("bidkv{strategy=lcf; seed=3; x=[1,}")[1] == {
+        "strategy": "lcf", "seed": 3, "x": "[1,"}
 
 
 # --- 2. non-finite figures ------------------------------------------------------------

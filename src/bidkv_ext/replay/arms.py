@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext, PreemptionPolicy
+from bidkv_ext.replay import jsontext
 
 if TYPE_CHECKING:
     from bidkv_ext.config import BidKVConfig
@@ -183,14 +182,12 @@ def _overrides(name: str) -> tuple[str, dict[str, object]]:
         if not eq or not key.strip():
             raise ArmError(f"--policies: {name!r}: expected key=value, got {item!r}")
         try:
-            values[key.strip()] = json.loads(raw.strip())
-        except json.JSONDecodeError:
-            values[key.strip()] = raw.strip()
-        except ValueError:
-            # json.loads' only other ValueError: an integer over the int-digits limit.
-            # The entry itself is not shown: it holds those thousands of digits.
-            raise ArmError(f"--policies: {base.strip()!r}: {key.strip()} has more than "
-                           f"{sys.get_int_max_str_digits()} digits") from None
+            values[key.strip()] = jsontext.loads(raw.strip())
+        except jsontext.JsonTextError as exc:
+            if exc.syntax:  # not JSON: the value is a plain string, e.g. strategy=lcf
+                values[key.strip()] = raw.strip()
+            else:  # the entry itself is not shown: it may be thousands of characters
+                raise ArmError(f"--policies: {base.strip()!r}: {key.strip()}: {exc}") from None
     return base.strip(), values
 
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 import bisect
 import csv
 import io
-import json
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from bidkv_ext.replay import jsontext
 from kvcached_provider.signals import CapacitySignals, PageModel, PoolSignals
 
 __all__ = [
@@ -188,22 +187,10 @@ def load_capacity_schedule(path: Path, usable_blocks: int) -> CapacitySchedule:
         return parse_capacity_schedule(_csv_rows(text, source), source, usable_blocks,
                                        from_text=True)
     try:
-        value: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value: Any = jsontext.loads(text)
+    except jsontext.JsonTextError as exc:
         raise CapacityScheduleError(
-            f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}); expected a "
-            'list of {"t": seconds, "blocks": count} entries'
-        ) from None
-    except RecursionError:
-        raise CapacityScheduleError(
-            f'{source}: JSON nested too deeply; expected a list of {{"t": seconds, '
-            '"blocks": count} entries'
-        ) from None
-    except ValueError:
-        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
-        raise CapacityScheduleError(
-            f"{source}: an integer has more than {sys.get_int_max_str_digits()} digits; "
-            'expected a list of {"t": seconds, "blocks": count} entries'
+            f'{source}: {exc}; expected a list of {{"t": seconds, "blocks": count}} entries'
         ) from None
     if not isinstance(value, list):
         raise CapacityScheduleError(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import sys
@@ -38,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bidkv_ext.replay import jsontext
 from bidkv_ext.replay.arms import Arm, ArmError, check_arms, parse_arms
 from bidkv_ext.replay.capacity import (
     DEFAULT_BLOCKS_PER_PAGE,
@@ -163,15 +163,9 @@ def _additional_config(raw: str | None) -> dict[str, Any]:
     if raw is None:
         return {}
     try:
-        value = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
-    except json.JSONDecodeError:
-        raise _UsageError("--additional-config must contain a JSON object") from None
-    except RecursionError:
-        raise _UsageError("--additional-config: JSON nested too deeply") from None
-    except ValueError:
-        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
-        raise _UsageError(f"--additional-config: an integer has more than "
-                          f"{sys.get_int_max_str_digits()} digits") from None
+        value = jsontext.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+    except jsontext.JsonTextError as exc:
+        raise _UsageError(f"--additional-config: {exc}; expected a JSON object") from None
     if not isinstance(value, dict):
         raise _UsageError("--additional-config must contain a JSON object")
     return value

@@ -8,15 +8,15 @@ the file and the 1-based line, so the CLI can print one line and exit 2.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
+
+from bidkv_ext.replay import jsontext
 
 __all__ = [
     "MOONCAKE_HASH_BLOCK_TOKENS",
@@ -189,15 +189,9 @@ def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
 
 def _json_line(path: Path, line: int, text: str) -> object:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise TraceError(f"{path}:{line}: JSON nested too deeply") from None
-    except ValueError:
-        # json.loads' only other ValueError: an integer over sys.get_int_max_str_digits().
-        raise TraceError(f"{path}:{line}: an integer has more than "
-                         f"{sys.get_int_max_str_digits()} digits") from None
+        return jsontext.loads(text)
+    except jsontext.JsonTextError as exc:
+        raise TraceError(f"{path}:{line}: {exc}") from None
 
 
 def _timestamp(path: Path, line: int, raw: object) -> float:

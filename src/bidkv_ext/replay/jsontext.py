@@ -1,0 +1,53 @@
+"""JSON text from the command line and input files, with each refusal put in words.
+
+``json.loads`` refuses text in three ways: a syntax error (``JSONDecodeError``), nesting
+deeper than the interpreter's recursion limit (``RecursionError``, not a ``ValueError``)
+and an integer longer than ``sys.get_int_max_str_digits()`` (a bare ``ValueError`` whose
+message would echo nothing useful). Every replay input that holds JSON (a Mooncake trace
+line, a capacity schedule, ``--additional-config``, a ``--policies`` override) turns each
+of them into a one-line error that names the input; telling the three apart is done here,
+once, and each caller adds its own name for the input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+__all__ = ["JsonTextError", "loads"]
+
+
+class JsonTextError(ValueError):
+    """JSON text that ``json.loads`` refused; ``str()`` says why, without echoing the text.
+
+    ``syntax`` is true for malformed text and false for text the parser's limits refused
+    (nesting depth, integer length): a caller that falls back to reading a malformed
+    value as a plain string must still refuse the latter.
+    """
+
+    def __init__(self, reason: str, *, syntax: bool) -> None:
+        super().__init__(reason)
+        self.syntax = syntax
+
+
+def loads(text: str | bytes, **options: Any) -> Any:
+    """``json.loads(text, **options)``, raising only :class:`JsonTextError` for bad text.
+
+    Exceptions raised by hooks in ``options`` (``parse_float``, ``parse_constant``...)
+    pass through unchanged, unless they are a bare ``ValueError``: that one is how the
+    parser reports an over-long integer, so hooks should raise something more specific.
+    """
+    try:
+        return json.loads(text, **options)
+    except json.JSONDecodeError as exc:
+        raise JsonTextError(f"not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                            f"{exc.msg})", syntax=True) from None
+    except RecursionError:
+        raise JsonTextError("JSON nested too deeply", syntax=False) from None
+    except ValueError as exc:
+        if type(exc) is not ValueError:  # a hook's own, more specific error
+            raise
+        # The text is not shown: it holds those thousands of digits.
+        raise JsonTextError(f"an integer has more than {sys.get_int_max_str_digits()} "
+                            "digits", syntax=False) from None
