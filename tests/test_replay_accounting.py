@@ -11,6 +11,9 @@ Guarded behaviour (evaluation.md section 1):
   the exact recompute), the same figures equal what a log of the scheduler's own
   ``schedule()`` outputs gives, and goodput equals the SLO count over the makespan from the
   per-request outcomes (two requests miss the TTFT bound);
+- percentiles: no sample is ``None``, one sample is every percentile, two interpolate
+  linearly; a two-token output is one TPOT sample, one-token outputs give none; the
+  makespan runs from the first arrival of any request and is 0 with no completion;
 - the CLI's conservation gate: an arm that breaks conservation (a leaked block, a request
   completed twice, a wrong output length, an overcommitted or unreleased elastic reserve)
   makes ``bidkv-replay`` exit 1 with one line naming that arm, after writing the report.
@@ -165,6 +168,52 @@ def test_rates_count_completed_requests_only() -> None:
     assert m["recompute_tax_upper_bound"] == pytest.approx(160 / 400)
     assert m["recomputed_tokens_per_preemption"] == pytest.approx(100 / 6)
     assert m["conservation"]["all_completed_once"] is False
+
+
+def test_percentiles_of_no_one_and_two_samples() -> None:
+    """evaluation.md section 1: linear interpolation between order statistics; no sample
+    gives ``None`` (JSON null), one sample is every percentile and the mean."""
+    from bidkv_ext.replay.metrics import percentiles
+
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None, "mean": None}
+    assert percentiles([0.25]) == {"p50": 0.25, "p95": 0.25, "p99": 0.25, "mean": 0.25}
+    assert percentiles([1.0, 2.0]) == pytest.approx(
+        {"p50": 1.5, "p95": 1.95, "p99": 1.99, "mean": 1.5})
+
+
+def test_latency_edge_cases_on_hand_built_runs() -> None:
+    """TPOT counts outputs of two tokens or more (a two-token output is one sample; one
+    token gives none); the makespan runs from the first arrival of any request, finished
+    or not, to the last completion, and is 0 (never negative) with no completion, where
+    every latency percentile is ``None``."""
+    import math
+
+    from bidkv_ext.replay.engine import ArmRun, RequestOutcome
+    from bidkv_ext.replay.metrics import arm_metrics
+
+    def run(*outcomes: RequestOutcome) -> ArmRun:
+        return ArmRun(label="hand", kind="builtin", outcomes=outcomes, steps=3,
+                      computed_tokens=10, recomputed_tokens=0, recompute_upper_bound=0,
+                      preemption_events=0, pressure_steps=0, controller={},
+                      free_blocks_end=9, usable_blocks=9, wall_seconds=0.0)
+
+    unfinished = RequestOutcome("u", 0.5, math.nan, math.nan, 0, 2, 0, 0)
+    one = RequestOutcome("one", 1.0, 1.5, 1.5, 1, 1, 0, 1)
+    two = RequestOutcome("two", 2.0, 2.5, 3.0, 2, 2, 0, 1)
+    m = arm_metrics(run(unfinished, one, two))
+    assert m["tpot_s"] == {"p50": 0.5, "p95": 0.5, "p99": 0.5, "mean": 0.5}
+    assert m["ttft_s"] == {"p50": 0.5, "p95": 0.5, "p99": 0.5, "mean": 0.5}
+    assert m["e2e_s"] == pytest.approx({"p50": 0.75, "p95": 0.975, "p99": 0.995, "mean": 0.75})
+    assert m["makespan_s"] == 2.5  # 0.5 (the unfinished request's arrival) -> 3.0
+    assert m["throughput_output_tok_s"] == pytest.approx(3 / 2.5)
+    assert arm_metrics(run(one))["tpot_s"] == {"p50": None, "p95": None, "p99": None,
+                                              "mean": None}
+
+    m = arm_metrics(run(RequestOutcome("late", 1.0, math.nan, math.nan, 0, 2, 0, 0)))
+    assert m["completed"] == 0 and m["makespan_s"] == 0.0
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert m[key] == {"p50": None, "p95": None, "p99": None, "mean": None}, key
+    assert m["throughput_output_tok_s"] == m["goodput_req_s"] == m["slo_attainment"] == 0.0
 
 
 # -- the bundled sample under pressure, against the scheduler's own log ------------------

@@ -26,6 +26,10 @@ Guarded behaviour:
 - blocks the reserve takes leave the prefix cache (their KV is gone: no request may hit
   them, during the shrink or after the growth), on the real scheduler;
 - ``blocks_per_page`` below 1 is refused, and a CSV header may have blanks around names.
+- a stuck replay jumps to the earlier of the next capacity change and the next arrival,
+  with schedule times counted from a first arrival that is not 0;
+- the CLI reports the schedule, the per-arm summary and whether signals were published
+  (``--no-capacity-signals``) in report.json and report.md, and prints the capacity table.
 No kvcached is involved: the elastic pool is the replay's own simulation over vLLM's pool.
 """
 
@@ -369,7 +373,9 @@ def test_signals_unregistered_when_the_arm_fails(monkeypatch: pytest.MonkeyPatch
 
 
 @needs_vllm
-def test_cli_reports_capacity(tmp_path: Path) -> None:
+def test_cli_reports_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The schedule, the per-arm summary and whether signals were published reach
+    report.json, report.md and the terminal's capacity table."""
     from bidkv_ext.replay.cli import main
 
     path = tmp_path / "cap.json"
@@ -378,12 +384,20 @@ def test_cli_reports_capacity(tmp_path: Path) -> None:
     assert main(["--max-requests", "30", "--num-gpu-blocks", str(NUM_BLOCKS),
                  "--capacity-schedule", str(path), "--blocks-per-page", "8",
                  "--policies", "builtin", "--no-plots", "--no-progress",
-                 "--output-dir", str(out)]) == 0
+                 "--no-capacity-signals", "--output-dir", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["capacity_schedule"]["points"] == SHRINK_GROW
+    assert report["settings"]["capacity_schedule"]["signals"] is False
     cap = report["arms"][0]["capacity"]
     assert cap["max_overcommit_after_shrink_blocks"] == 0 and cap["reserve_released"]
-    assert "## Elastic capacity (kvcached semantics)" in (out / "report.md").read_text()
+    assert cap["signals_published"] is False
+    markdown = (out / "report.md").read_text()
+    assert "## Elastic capacity (kvcached semantics)" in markdown
+    assert "capacity signals not published to the policy" in markdown
+    table = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("builtin ") and "/" in line.split()[1]]
+    assert len(table) == 1  # the capacity table's row: shrinks done/shrinks
+    assert table[0].split()[1] == f"{cap['shrinks_completed']}/{cap['shrinks']}"
 
 
 # -- pages_released from the host --------------------------------------------------------
@@ -577,3 +591,25 @@ def test_blocks_per_page_below_one_and_csv_blanks(tmp_path: Path) -> None:
     path.write_text(" t , blocks \n0, 10\n 2.5 ,20\n")
     schedule = load_capacity_schedule(path, 99)
     assert schedule.as_list() == [{"t": 0.0, "blocks": 10}, {"t": 2.5, "blocks": 20}]
+
+
+@needs_vllm
+def test_a_stuck_replay_jumps_to_the_earlier_of_growth_and_arrival() -> None:
+    """When nothing can be scheduled the clock jumps to the next arrival or the next
+    capacity change, whichever comes first (engine module doc): here the growth 5 s after
+    the first arrival (the schedule's origin, also when it is not 0) comes before the next
+    arrival 10 s after it, so the waiting request starts then."""
+    from bidkv_ext.replay.arms import named_arm
+    from bidkv_ext.replay.engine import ReplaySettings, run_arm
+    from bidkv_ext.replay.steptime import StepTimeModel
+    from bidkv_ext.replay.trace import TraceRequest
+
+    # Request 0 needs 2 blocks (22 tokens) but only 1 is usable until t=105.
+    requests = (TraceRequest(0, 100.0, 20, 2), TraceRequest(1, 110.0, 4, 1))
+    settings = ReplaySettings(
+        num_gpu_blocks=4, enable_prefix_caching=False, blocks_per_page=1,
+        capacity_schedule=_schedule([{"t": 0, "blocks": 1}, {"t": 5, "blocks": 3}], 3))
+    run = run_arm(requests, named_arm("builtin", 0), settings,
+                  StepTimeModel("unit", a=1.0, b=0.0, c=0.0, d=0.0))
+    assert [(o.first_token, o.finish) for o in run.outcomes] == [(106.0, 107.0),
+                                                                 (111.0, 111.0)]

@@ -4,7 +4,8 @@ Every case here must be refused before the first engine starts (so none of these
 runs a replay, except the one that needs finished results to lose): the message is one
 ``bidkv-replay: error: ...`` line naming the flag, file (and line) or setting, there is no
 traceback, and a refused run leaves no output directory behind. Also: report files and
-plots are written atomically with the umask's mode.
+plots are written atomically with the umask's mode; JSON files hold NaN as null with sorted
+keys; the plots skip an arm without TTFT samples.
 """
 
 from __future__ import annotations
@@ -419,3 +420,26 @@ def test_output_failure_after_the_replay_keeps_the_results(
     assert json.loads((out / "report.json").read_text())["arms"][0]["label"] == "builtin"
     assert (out / "report.md").exists() and (out / "bars.png").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_json_writes_nan_as_null_with_sorted_keys(tmp_path: Path) -> None:
+    """write_json: NaN (a missing figure) becomes null, inside mappings, lists and tuples
+    too; keys are sorted, so a report's bytes depend on its content only."""
+    write_json(tmp_path / "report.json", {"b": float("nan"), "a": [1.5, (float("nan"), 2)],
+                                          "c": {"z": float("nan"), "y": 0}})
+    text = (tmp_path / "report.json").read_text()
+    assert json.loads(text) == {"a": [1.5, [None, 2]], "b": None, "c": {"y": 0, "z": None}}
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+    assert text.index('"a"') < text.index('"b"') < text.index('"c"')
+
+
+def test_plots_skip_an_arm_without_ttft_samples(tmp_path: Path, umask_022: None) -> None:
+    """An arm with no TTFT (no request produced a token) has no CDF line and a P95 bar of
+    0; both PNGs are still written."""
+    from bidkv_ext.replay.report import write_plots
+
+    arms = [{"label": "a", "recompute_tax": 0.1, "ttft_s": {"p95": 0.5}},
+            {"label": "none", "recompute_tax": 0.0, "ttft_s": {"p95": None}}]
+    write_plots(tmp_path, [("a", [0.1, 0.2]), ("none", [])], arms)
+    for name in ("ttft_cdf.png", "bars.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
