@@ -5,9 +5,13 @@ state is faked at the metadata boundary: throw-away ``*.dist-info`` directories 
 RECORD) for ``kvcached``, ``torch`` and ``vllm`` are put first on ``sys.path``, which is
 exactly what ``importlib.metadata`` reads; no kvcached module is imported or faked. The
 torch subprocess probe is replaced by a stub where a test needs one. Guarded: each failure
-names what is missing and how to fix it; successes are reported; ``check()`` imports neither
+names what is missing and how to fix it; successes are reported; only the compiled file
+itself, directly in the ``kvcached`` package and present on disk, counts as the native
+module; torch's local version tag is read without probing; an unparsable vLLM version is
+outside the range, and ``check()`` uses the manifest's own range; ``check()`` imports neither
 kvcached, torch nor vLLM; one failing probe cannot hide the others; the KV-events check
-reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does.
+reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does;
+``kvcached-provider check`` reads the bundle's manifest (its default instance name).
 """
 
 from __future__ import annotations
@@ -101,6 +105,28 @@ def test_compiled_module_present(site: Path) -> None:
     assert ok and line.endswith("kvcached/_C.abi3.so")
 
 
+@pytest.mark.parametrize("files", [
+    {"kvcached/_C.py": b""},  # a Python file named like the extension is not the extension
+    {"kvcached/ops/_C.abi3.so": b"\x7fELF"},  # not directly in the package
+    {"kvcached_extras/_C.abi3.so": b"\x7fELF"},  # another package of the distribution
+])
+def test_compiled_module_must_be_the_packages_own_shared_object(
+    site: Path, files: dict[str, bytes]
+) -> None:
+    fake_dist(site, "kvcached", "0.1.6", {"kvcached/__init__.py": b"", **files})
+    ok, line = checks.check_compiled_module()
+    assert not ok and "is installed without its compiled module" in line
+
+
+def test_compiled_module_listed_but_gone_from_disk(site: Path) -> None:
+    """RECORD names kvcached/_C*.so but the file was lost: the build 'lost' the extension."""
+    fake_dist(site, "kvcached", "0.1.6",
+              {"kvcached/__init__.py": b"", "kvcached/_C.abi3.so": b"\x7fELF"})
+    (site / "kvcached/_C.abi3.so").unlink()
+    ok, line = checks.check_compiled_module()
+    assert not ok and "is installed without its compiled module" in line
+
+
 def test_compiled_module_before_016_is_vmm_ops(site: Path) -> None:
     fake_dist(site, "kvcached", "0.1.5", {"kvcached/vmm_ops.cpython-311-x86_64-linux-gnu.so":
                                           b"\x7fELF"})
@@ -126,6 +152,8 @@ def test_autopatch_pth_missing(tmp_path: Path) -> None:
     assert line.startswith(f"kvcached_autopatch.pth is missing from site-packages ({tmp_path})")
     assert "ENABLE_KVCACHED and KVCACHED_AUTOPATCH silently do nothing" in line
     assert not checks.check_autopatch_pth()[0]  # this interpreter's site-packages
+    (tmp_path / "kvcached_autopatch.pth").mkdir()  # a directory is no .pth file
+    assert not checks.check_autopatch_pth([tmp_path])[0]
 
 
 def test_autopatch_pth_present(tmp_path: Path) -> None:
@@ -151,6 +179,22 @@ def test_torch_cpu_build_here() -> None:
 def test_torch_gpu_builds(site: Path, version: str, expected: str) -> None:
     fake_dist(site, "torch", version)
     assert checks.check_torch_backend() == (True, expected)
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("2.9.0+cpu", "torch 2.9.0+cpu is a CPU-only build"),
+    ("2.9.0+xpu", "torch 2.9.0+xpu is a XPU-only build"),
+])
+def test_torch_local_tag_is_read_without_probing(site: Path, version: str, expected: str
+                                                 ) -> None:
+    """A local tag other than cu*/rocm* names the build: no child interpreter is started."""
+    fake_dist(site, "torch", version)
+
+    def probe(_timeout: float) -> tuple[str | None, str | None]:
+        raise AssertionError("torch must not be probed when its version has a local tag")
+
+    ok, line = checks.check_torch_backend(probe)
+    assert not ok and line.startswith(expected + ";")
 
 
 def test_torch_without_local_tag_is_probed(site: Path) -> None:
@@ -197,6 +241,23 @@ def test_vllm_hust_prerelease_inside_range(site: Path) -> None:
     assert ok, line
 
 
+def test_vllm_with_an_unparsable_version_is_outside_the_range(site: Path) -> None:
+    fake_dist(site, "vllm", "custom-build")
+    ok, line = checks.check_vllm_range()
+    assert not ok and line.startswith("vLLM custom-build is outside kvcached's supported range")
+
+
+@pytest.mark.parametrize(("version_range", "ok"), [
+    (">=0.33,<0.34", True),  # the manifest's range, not the built-in one, decides
+    ("", False),  # absent or blank: the built-in range (vLLM 0.33.0 is outside it)
+    ("  ", False),
+])
+def test_check_uses_the_manifests_vllm_range(version_range: str, ok: bool) -> None:
+    manifest = {**MANIFEST, "host": {**MANIFEST["host"], "version_range": version_range}}
+    [line] = [line for line in checks.check(manifest, {}) if line[1].startswith("vLLM ")]
+    assert line[0] is ok, line
+
+
 def test_vllm_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     real = checks._distribution
     monkeypatch.setattr(checks, "_distribution",
@@ -217,6 +278,9 @@ def test_shm_missing(tmp_path: Path) -> None:
     ok, line = checks.check_shm_writable(tmp_path / "nope")
     assert not ok
     assert "does not exist or is not a directory" in line and "--shm-size" in line
+    (tmp_path / "file").write_text("")
+    ok, line = checks.check_shm_writable(tmp_path / "file")
+    assert not ok and "does not exist or is not a directory" in line
 
 
 def test_shm_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,6 +331,11 @@ def test_ipc_name_rules(tmp_path: Path) -> None:
     lines = checks.check_ipc_name("llama-8000", tmp_path)
     assert [ok for ok, _ in lines] == [True, True]
     assert "already exists" in lines[1][1] and "kvctl delete llama-8000" in lines[1][1]
+    # A name ending like kvcached's KV-group suffix is valid but warned about (cleanup of
+    # instance 'llama' could take its record for group 2 of that instance).
+    lines = checks.check_ipc_name("llama_g2", tmp_path)
+    assert [ok for ok, _ in lines] == [True, True]
+    assert "ends like a KV-group suffix" in lines[1][1] and "'llama'" in lines[1][1]
 
 
 # ------------------------------------------------------------------------- check()
@@ -308,6 +377,19 @@ def test_cli_check_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["check", "--ipc", "llama-8000"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAIL ") == 5
+    assert out.rstrip().endswith("org.vllm-hust.kvcached: 5 check(s) failed")
+
+
+def test_cli_check_without_ipc_reads_the_bundles_manifest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --ipc the planned name is the manifest's default: the command found the
+    manifest beside the package (here the editable install's repository root)."""
+    from kvcached_provider.cli import main
+
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "ok   KVCACHED_IPC_NAME is 'vllm_hust_kvcached'" in out
     assert out.rstrip().endswith("org.vllm-hust.kvcached: 5 check(s) failed")
 
 
@@ -388,6 +470,10 @@ _NESTED_ON = "kv-events-config:\n  enable_kv_cache_events: true\nmax-num-seqs: 8
             "--kv-events-config", "{}"], False),
     (None, ["--kv_events_config.enable_kv_cache_events", "on"], True),
     ("max-num-seqs: 8\n", [], False),
+    # pydantic reads booleans case-insensitively ...
+    (None, ["--kv-events-config", '{"enable_kv_cache_events": "ON"}'], True),
+    # ... and vLLM drops a `key: false` of the file entirely, even a dotted one.
+    ("kv-events-config.enable_kv_cache_events: false\nmax-num-seqs: 8\n", [], False),
 ])
 def test_kv_events_read_as_vllms_own_parser_reads_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -2,13 +2,16 @@
 
 Guards kvcached-notes.md §7 check 9: the instance's control records (``<ipc>``,
 ``<ipc>_g<N>``) and its TP socket directory are removed once nothing uses them; a record or
-directory still used by a live process (its environment names the instance with kvcached
-enabled, or it holds the file open) is kept and the pid named; other instances' records are
-reported as possibly stale and never touched; a socket directory holding anything but
-sockets is kept, and so is anything under the instance's names that is not what kvcached
-leaves there. Everything here is real: files in a temporary ``/dev/shm`` stand-in, real
-Unix sockets, real processes found through ``/proc``, the real ``kvcached-provider`` console
-script. No kvcached module is involved (the cleanup never imports it).
+directory still used by a live process (its environment names the instance as kvcached
+sanitises and truncates it, it leads the group a default name was derived from even under a
+command name holding ``) ``, or it holds the file open or mapped) is kept and the pid
+named, while a process holding another instance's record does not keep this one; other
+instances' records are reported as possibly stale and never touched; a socket directory
+holding anything but sockets (or a link) is kept, and so is anything under the instance's
+names that is not what kvcached leaves there, a dangling link included. Everything here is
+real: files in a temporary ``/dev/shm`` stand-in, real Unix sockets, real processes found
+through ``/proc``, the real ``kvcached-provider`` console script. No kvcached module is
+involved (the cleanup never imports it).
 """
 
 from __future__ import annotations
@@ -167,6 +170,55 @@ def test_the_name_is_compared_as_kvcached_sanitises_it(shm: Path, ipc: str) -> N
         stop(engine)
 
 
+def test_a_long_name_is_compared_as_kvcached_truncates_it(shm: Path, ipc: str) -> None:
+    """kvcached uses an explicit name sanitised and cut to 64 characters."""
+    name = ipc + "x" * (70 - len(ipc))
+    path = record(shm, name[:64])
+    engine = sleeper({"KVCACHED_IPC_NAME": name})
+    try:
+        assert segments.cleanup(name[:64]).kept == ((str(path), f"in use by pid {engine.pid}"),)
+    finally:
+        stop(engine)
+
+
+def test_a_process_mapping_the_record_keeps_it(shm: Path, ipc: str) -> None:
+    """A process that mapped the record and closed its descriptor still uses it (libc's
+    mmap: Python's ``mmap`` module would keep a duplicate descriptor open)."""
+    path = record(shm, ipc)
+    setup = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.mmap.restype = ctypes.c_void_p\n"
+        "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,"
+        " ctypes.c_int, ctypes.c_long]\n"
+        f"fd = os.open({str(path)!r}, os.O_RDONLY)\n"
+        "addr = libc.mmap(None, 24, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED\n"
+        "assert addr not in (None, ctypes.c_void_p(-1).value)\n"
+        "os.close(fd)"
+    )
+    holder = sleeper({}, setup=setup)
+    try:
+        fds = Path(f"/proc/{holder.pid}/fd").iterdir()
+        assert str(path) not in {os.readlink(fd) for fd in fds}  # only the mapping is left
+        assert segments.cleanup(ipc).kept == ((str(path), f"in use by pid {holder.pid}"),)
+    finally:
+        stop(holder)
+
+
+def test_another_instances_open_record_does_not_keep_this_one(shm: Path, ipc: str) -> None:
+    """Only this instance's own paths count: ``<ipc>x`` open elsewhere is another instance."""
+    path = record(shm, ipc)
+    other = record(shm, f"{ipc}x")
+    holder = sleeper({}, setup=f"f = open({str(other)!r}, 'rb')")
+    try:
+        report = segments.cleanup(ipc)
+    finally:
+        stop(holder)
+    assert report.removed == (str(path),) and report.kept == ()
+    assert report.foreign == ((str(other), f"another instance's record, in use by pid "
+                                           f"{holder.pid}"),)
+
+
 def test_a_default_name_belongs_to_its_process_group(shm: Path) -> None:
     """Without KVCACHED_IPC_NAME kvcached names the instance kvcached_<engine>_<pgid>."""
     engine = sleeper({}, new_session=True)  # no KVCACHED_IPC_NAME; its group is its pid
@@ -178,6 +230,25 @@ def test_a_default_name_belongs_to_its_process_group(shm: Path) -> None:
     finally:
         stop(engine)
     assert segments.cleanup(names[0]).removed == (str(paths[0]),)
+
+
+def test_a_command_name_with_a_parenthesis_still_shows_its_group(
+    shm: Path, tmp_path: Path
+) -> None:
+    """``/proc/<pid>/stat`` puts the command name in parentheses and the name may hold
+    ``) ``: the group is read after the last ``)``, so the engine still counts as a user."""
+    alias = tmp_path / "a) b c d"  # becomes the process's command name
+    alias.symlink_to(sys.executable)
+    code = "import time\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    engine = subprocess.Popen([str(alias), "-c", code], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == b"ready\n"
+        assert Path(f"/proc/{engine.pid}/comm").read_text().strip() == "a) b c d"
+        path = record(shm, f"kvcached_vLLM_{engine.pid}")
+        assert segments.cleanup(path.name).kept == ((str(path), f"in use by pid {engine.pid}"),)
+    finally:
+        stop(engine)
 
 
 def test_a_bound_socket_keeps_the_socket_dir(shm: Path, tmp: Path, ipc: str) -> None:
@@ -247,6 +318,26 @@ def test_a_socket_dir_with_other_files_is_kept(shm: Path, tmp: Path, ipc: str) -
     assert report.kept == ((str(sockets), f"holds {sockets / 'notes.txt'}, which is not a "
                                           "socket; remove it by hand if it is stale"),)
     assert (sockets / "w0.sock").exists()
+
+
+def test_a_socket_dir_holding_a_link_is_kept_whole(shm: Path, tmp: Path, ipc: str) -> None:
+    sockets = socket_dir(ipc, tmp)
+    (tmp / "elsewhere").mkdir()
+    (sockets / "pp2").symlink_to(tmp / "elsewhere")
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert report.kept == ((str(sockets), f"holds the link {sockets / 'pp2'}; remove it by "
+                                          "hand if it is stale"),)
+    assert (sockets / "w0.sock").exists() and (sockets / "pp1" / "w1.sock").exists()
+
+
+def test_a_dangling_link_at_the_socket_dir_is_reported(shm: Path, tmp: Path, ipc: str) -> None:
+    link = segments.tp_socket_dir(ipc, tmp)
+    link.symlink_to(tmp / "gone")
+    report = segments.cleanup(ipc, tmp=tmp)
+    assert not report.clean
+    assert report.kept == ((str(link), "a symbolic link, not kvcached's; remove it by hand if "
+                                       "it is stale"),)
+    assert link.is_symlink()
 
 
 def test_only_what_kvcached_leaves_is_removed(shm: Path, tmp: Path, ipc: str) -> None:
@@ -338,7 +429,9 @@ def test_the_manager_cleans_up_after_a_launch(shm: Path, tmp_path: Path, ipc: st
     user_site = userbase / "lib" / version / "site-packages"
     user_site.mkdir(parents=True)
     (user_site / "kvcached_autopatch.pth").write_text("# stands in for kvcached's hook\n")
-    env = {**os.environ, "PYTHONPATH": str(site_dir), "PYTHONUSERBASE": str(userbase),
+    # The fake metadata first; an inherited PYTHONPATH (a source tree under test) stays.
+    pythonpath = os.pathsep.join([str(site_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUSERBASE": str(userbase),
            "VLLM_HUST_EXT_CONFIG": str(tmp_path / "config.json"),
            "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
     manager = str(Path(sys.executable).with_name("vllm-hust-ext"))

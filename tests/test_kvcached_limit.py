@@ -9,8 +9,10 @@ stale, conflict, unavailable, rejected) and its exit code; revisions persisted a
 never reused (also across concurrent commands), advanced past a stale answer; refusal when a
 ``kvctl`` limit changed the control record or is in force on first use (but not after an
 engine restart: markers are bound to the segment's inode); the engine-side responder
-answering a command run in another process, and answering a malformed request; bad input
-as one-line errors.
+answering a command run in another process, and answering a malformed request; the
+activation plugin starting it only when enabled, never raising, and retrying a failed
+start; bad input as one-line errors; ``main()`` putting the SIGTERM handler back when it
+returns.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tests.fake_kvcached import (
 )
 
 IPC = "inst1"
+START = LimitResponder.start  # kept before any test patches it
 BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
 
 
@@ -384,6 +387,32 @@ def test_activation_plugin_starts_responder_only_when_enabled(
 
 
 
+def test_activation_plugin_never_raises(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any failure starting the responder, not only a bad name, is logged and the engine
+    starts without it: a plugin exception would stop vLLM. The failed responder is not
+    kept, so a later call starts one that serves."""
+    monkeypatch.setattr(activation, "_responder", None)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+
+    def refuse(self: LimitResponder) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(LimitResponder, "start", refuse)
+    assert activation.register() is None
+    # The failed responder is not kept: a later call (another plugin load in the same
+    # process) starts a working one instead of returning one that never served.
+    monkeypatch.setattr(LimitResponder, "start", START)
+    responder = activation.register()
+    try:
+        assert responder is not None and responder._thread is not None
+        assert responder._thread.is_alive()
+    finally:
+        assert responder is not None
+        responder.stop()
+
+
 def _cli_within(seconds: float, *argv: str) -> tuple[int, str]:
     """Run the command in a child; fail, instead of hanging the suite, past ``seconds``."""
     proc = _cli({}, *argv)
@@ -444,6 +473,17 @@ def test_an_interrupted_limit_withdraws_its_request(
     assert list(box.iterdir()) == []
     # The revision was reserved before the request was sent, so it is never reused.
     assert stored(dirs[0])["revision"] == 1
+
+
+def test_main_restores_the_sigterm_handler(dirs: tuple[Path, Path],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``main()`` turns SIGTERM into an interrupt only while a command runs: a caller's
+    handler is back afterwards, also when the command fails."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["limit", "--ipc", "not valid!", "1G"]) == 2
+    assert main(["cleanup", "--ipc", "not valid!"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+    capsys.readouterr()
 
 
 def test_oversized_limit_is_refused(dirs: tuple[Path, Path],

@@ -4,8 +4,12 @@ kvcached cannot be installed here, so these tests fake it at the module boundary
 ``kvcached``, ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C`` modules
 (``tests/fake_kvcached.py``, behaviour from the kvcached spec) are put into ``sys.modules``.
 Guarded: ``None`` when kvcached is absent or has no pools (and kvcached is never imported);
-the aggregated limit / shrink / available-block / physical-page figures; ``pages_released``
-counting only pages that a set of freed blocks empties; failures reading a pool never raise.
+the aggregated limit / shrink / available-block / physical-page figures (each pool's own
+requested limit and capacity, sums over pools, shrinking when any pool shrinks, pools in
+kvcached's ``(pool_name, group_id)`` order); ``pages_released`` counting only pages that a
+set of freed blocks empties (never a page with no live block, each block once); failures
+reading a pool never raise; one registered signals source at a time, withdrawn only by
+itself, and a failing source's page model reads as ``None``.
 """
 
 from __future__ import annotations
@@ -69,11 +73,11 @@ def test_signals_report_limit_shrink_and_capacity(kv: FakeKvcached) -> None:
 def test_signals_over_pools(kv: FakeKvcached) -> None:
     """Blocks add up over pools; free physical pages do not: each pool measures the whole
     device, so the aggregate is what every pool can still map, not the sum."""
-    kv.register(FakeKVCacheManager(group_id=0, physical_free_pages=2))
     kv.register(FakeKVCacheManager(group_id=1, physical_free_pages=5))
+    kv.register(FakeKVCacheManager(group_id=0, physical_free_pages=2))
     got = signals.current_signals()
     assert got is not None
-    assert [p.group_id for p in got.pools] == [0, 1]
+    assert [p.group_id for p in got.pools] == [0, 1]  # sorted as kvcached sorts them
     assert got.physical_free_pages == 2
     assert got.available_blocks == (2 + 4) * 16
 
@@ -109,3 +113,62 @@ def test_registry_lookup_follows_module_removal(
     assert signals.current_signals() is not None
     monkeypatch.delitem(sys.modules, "kvcached.pool_registry")
     assert signals.current_signals() is None
+
+
+def test_pool_figures_are_each_pools_own_and_add_up(kv: FakeKvcached) -> None:
+    """A limit that is not a whole number of page bundles: the pool reports the requested
+    limit and the rounded-down effective one apart; limits, effective limits and mapped
+    bytes add up over pools, and the instance is shrinking while any one pool is."""
+    bundle = 8 << 20  # 1 MiB page x 4 layers x 2 buffers
+    shrinking = kv.register(FakeKVCacheManager(group_id=0, num_blocks=64))
+    steady = kv.register(FakeKVCacheManager(group_id=1, num_blocks=64))
+    assert shrinking.alloc(40) is not None  # 3 pages in use
+    assert steady.alloc(8) is not None  # 1 page in use
+    shrinking.set_memory_limit(2 * bundle + 5, revision=1)  # below its 3 pages: deferred
+    steady.set_memory_limit(3 * bundle + 7, revision=1)  # above its 1 page: applied
+    got = signals.current_signals()
+    assert got is not None
+    first, second = got.pools
+    assert (first.limit_bytes, first.effective_limit_bytes) == (2 * bundle + 5, 2 * bundle)
+    assert (second.limit_bytes, second.effective_limit_bytes) == (3 * bundle + 7, 3 * bundle)
+    assert first.current_capacity_bytes == 4 * bundle  # unchanged until the shrink completes
+    assert second.current_capacity_bytes == 3 * bundle
+    assert (first.in_shrink, second.in_shrink) == (True, False)
+    assert got.in_shrink is True
+    assert got.memory_limit_bytes == 5 * bundle + 12
+    assert got.effective_limit_bytes == 5 * bundle
+    assert got.mapped_bytes == (3 + 1) * bundle
+
+
+def test_pages_released_counts_neither_empty_pages_nor_repeated_blocks(kv: FakeKvcached) -> None:
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))
+    assert pool.alloc(40) is not None  # pages 0 and 1 full, page 2 holds 32..39, page 3 none
+    assert signals.pages_released(range(48, 64)) == 0  # page 3 holds no live block
+    assert signals.pages_released([*range(32, 36)] * 2) == 0  # 4 of page 2's 8, each once
+    assert signals.pages_released([*range(32, 40), 32]) == 1
+
+
+class _Source:
+    def __init__(self, model: signals.PageModel | None = None, fail: bool = False) -> None:
+        self.model, self.fail = model, fail
+
+    def capacity_signals(self) -> signals.CapacitySignals | None:
+        return None
+
+    def page_model(self) -> signals.PageModel | None:
+        if self.fail:
+            raise KeyError("host bookkeeping is gone")
+        return self.model
+
+
+def test_one_signals_source_at_a_time() -> None:
+    first, second = _Source(signals.PageModel(4, 64)), _Source(signals.PageModel(8, 64))
+    with signals.signals_source(first):
+        with pytest.raises(RuntimeError, match="already registered"):
+            signals.register_source(second)
+        signals.register_source(first)  # the same source again: fine
+        signals.unregister_source(second)  # not the registered one: a no-op
+        assert signals.current_page_model() == signals.PageModel(4, 64)
+    assert signals.current_page_model() is None
+    with signals.signals_source(_Source(fail=True)):
+        assert signals.current_page_model() is None  # a failing source never raises

@@ -2,7 +2,11 @@
 launches every arm as a fresh `vllm-hust-ext run -- bidkv-replay ...` process (private
 manager state, bundle disabled for the baseline and enabled for the candidate), and
 produces a record, a Markdown report, a PNG plot and a verdict; the record is accepted by
-the release check's record rule."""
+the release check's record rule. With the arms injected (no process launched), `run_profile`
+runs each pair in the alternating order, gates every cell with the profile's TP size and,
+only where the cell cancels, the workload's drain bound, and the record's gate summary and
+the report name the failing cells; blocked cells appear in record and report; a record
+that cannot be written leaves neither a temporary file nor a changed record behind."""
 
 from __future__ import annotations
 
@@ -16,8 +20,13 @@ import pytest
 from qualification import RECORD_SCHEMA
 from qualification.cli import main
 from qualification.errors import QualificationError
+from qualification.manager import Arm, ManagerSession
+from qualification.profile import PROFILE_DIR, CellSpec, load_profile
 from qualification.release import check_release
 from qualification.replay import arm_from_report, read_report
+from qualification.report import write_json_atomic, write_markdown
+from qualification.runner import arm_order, build_record, run_profile
+from qualification.verdict import COUNTER_NAMES, ArmResult
 
 REPO = Path(__file__).resolve().parent.parent
 VERDICTS = {"beneficial", "neutral", "not-beneficial-in-tested-cell", "inconclusive"}
@@ -255,6 +264,31 @@ def test_failing_manager_verb_fails_the_arm_and_keeps_the_record(
     assert gate["detail"] == f"repeat 0 candidate: arm did not run ({verb})"
 
 
+@needs_manager
+def test_a_run_started_inside_a_managed_process_still_launches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager refuses a launch whose caller already set its evidence variables
+    (manager-protocol §6.3); each arm drops them, so a qualification run started from a
+    managed process (or a shell that inherited them) still runs every arm, and each arm
+    keeps its private manager state even when the caller names another state file."""
+    profile = _fake_replay_profile(tmp_path, GOOD_REPORT)
+    for name in ("VLLM_ECPA_LAUNCH_ID", "VLLM_HUST_EXT_EVIDENCE_PATH", "VLLM_EXTENSION_BUNDLES"):
+        monkeypatch.setenv(name, "inherited")
+    callers = tmp_path / "callers-config.json"
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(callers))
+    out = tmp_path / "out"
+    main(["run", str(profile), "--out", str(out), "--repeats", "1", "--quiet"])
+    pair = _pair(out)
+    for arm in (pair["baseline"], pair["candidate"]):
+        assert arm["started"] is True and arm["error"] is None and arm["throughput"] == 10.0
+    assert not callers.exists()
+    for arm, enabled in (("baseline", False), ("candidate", True)):
+        state = out / "cells" / pair["cell"] / "rep-0" / arm / "manager" / "config.json"
+        extensions = json.loads(state.read_text())["extensions"]
+        assert extensions["org.vllm-hust.bidkv"]["enabled"] is enabled
+
+
 def _online_arm(report: Path) -> dict[str, object]:
     """The one non-reference arm of a replay report.json."""
     doc = json.loads(report.read_text())
@@ -378,3 +412,65 @@ def test_verdict_uses_end_to_end_p95_not_ttft(tmp_path: Path) -> None:
         assert pair["deltas_pct"]["ttft_p95"] == pytest.approx(50.0)
     assert cell["deltas"]["latency_p95"]["ci_high"] == pytest.approx(0.0, abs=1e-9)
     assert cell["verdict"] == "beneficial", cell["reason"]
+
+
+def test_run_profile_gates_each_cell_in_alternating_order(tmp_path: Path) -> None:
+    """ascend-tp4 (TP 4, a 1 s drain bound) with injected arms that all take 2 s to drain:
+    only the cell that cancels is held to the bound; the arms of "mixed-length" saw TP
+    ranks 0-2 of 4. Exactly those two cells fail, in the record and in the report."""
+    profile = load_profile("ascend-tp4")
+    ran: list[tuple[str, int, Arm]] = []
+
+    def runner(arm: Arm, cell: CellSpec, repetition: int, arm_dir: Path,
+               session: ManagerSession) -> ArmResult:
+        ran.append((cell.name, repetition, arm))
+        counters = dict.fromkeys(COUNTER_NAMES, 0)
+        if arm == "candidate":
+            counters.update(calls=4, selections=1, abstentions=3)
+        ranks = (0, 1, 2) if cell.name == "mixed-length" else (0, 1, 2, 3)
+        return ArmResult(
+            arm=arm, throughput=100.0, ttft_p50=0.1, ttft_p95=0.2, latency_p50=1.0,
+            latency_p95=2.0, requests=8, completed=8, counters=counters,
+            policy_enabled=arm == "candidate", short_hash="h", drain_s=2.0,
+            recovery_ok=True, tracebacks=0, graph_captured=True, tp_ranks=ranks,
+        )
+
+    result = run_profile(profile, tmp_path / "out", repeats=2, arm_runner=runner)
+    cells = [c.name for c in profile.cells]
+    assert ran == [(c, r, arm) for i, c in enumerate(cells) for r in range(2)
+                   for arm in arm_order(i, r)]
+    for i, outcome in enumerate(result.outcomes):
+        assert [p.first for p in outcome.pairs] == [arm_order(i, r)[0] for r in range(2)]
+        gates = {g.name: g.status for g in outcome.gates}
+        cancels = outcome.cell == "burst-cancel-recovery"
+        assert gates["cancellation-drains"] == ("fail" if cancels else "n/a")
+        assert gates["graph-capture-and-tp-ranks"] == (
+            "fail" if outcome.cell == "mixed-length" else "pass")
+    gate = result.record["gate"]
+    assert isinstance(gate, dict) and gate["passed"] is False and not result.passed
+    assert gate["failed_cells"] == ["burst-cancel-recovery", "mixed-length"]
+    report = result.report_path.read_text()
+    assert report.startswith("# Qualification: ascend-tp4 (FAILED)")
+    assert "- cancellation-drains: **fail** — repeat 0 baseline: drain 2.0s > bound 1.0s" in report
+
+
+def test_blocked_cells_are_recorded_and_reported(tmp_path: Path) -> None:
+    """qualification.md §3: declared-but-unrun cells are reported as `blocked`."""
+    text = (PROFILE_DIR / "cpu-replay.toml").read_text()
+    variant = tmp_path / "blocked.toml"
+    blocked = 'blocked_cells = ["liveness-0"]\n\n[manager]\n'
+    variant.write_text(text.replace("[manager]\n", blocked, 1))
+    record = build_record(load_profile(str(variant)), [], 3)
+    assert record["blocked_cells"] == ["liveness-0"]
+    record["gate"] = {"passed": False}
+    write_markdown(tmp_path / "report.md", record, [])
+    assert "| liveness-0 | 0 | - | - | - | - | blocked |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_record_that_cannot_be_written_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "record.json"
+    path.write_text('{"old": true}\n')
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"figure": object()})  # not JSON: json.dump fails midway
+    assert path.read_text() == '{"old": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]

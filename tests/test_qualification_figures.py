@@ -1,6 +1,8 @@
 """Serve-arm figures beyond the gated ones (qualification.md §4): TPOT, P99s, Jain
 fairness, goodput and SLO goodput, computed from the client's per-request timings, with
-cancelled requests left out. Values are checked against hand computations."""
+cancelled requests left out. Values are checked against hand computations; the SLO bounds
+are inclusive (TTFT <= 60 s, TPOT <= 0.2 s, E2E <= 600 s), a one-token answer has no TPOT
+to miss, and fairness over all-zero rates is NaN rather than a division error."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def test_jain_fairness_bounds() -> None:
     assert jain_fairness([4.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
     assert jain_fairness([1.0, 3.0]) == pytest.approx(16 / (2 * 10))
     assert math.isnan(jain_fairness([]))
+    assert math.isnan(jain_fairness([0.0, 0.0]))  # nobody got a token: no fairness figure
 
 
 def test_serve_figures_by_hand() -> None:
@@ -57,3 +60,21 @@ def test_serve_figures_by_hand() -> None:
 def test_no_completed_request_gives_nan_not_an_error() -> None:
     figures = serve_figures([_result(0, None, None, 0, ok=False)], makespan_s=0.0)
     assert math.isnan(figures["ttft_p95"]) and math.isnan(figures["goodput_rps"])
+
+
+@pytest.mark.parametrize(
+    ("result", "meets"),
+    [
+        (_result(0, 60.0, 61.0, 1), True),  # TTFT exactly 60 s
+        (_result(0, 1.0, 600.0, 1), True),  # E2E exactly 600 s, one token: no TPOT
+        (_result(0, 1.0, 600.5, 1), False),  # E2E over 600 s
+        (_result(0, 60.5, 61.0, 1), False),  # TTFT over 60 s
+        (_result(0, 1.0, 3.0, 11), True),  # TPOT exactly 0.2 s
+        (_result(0, 1.0, 3.5, 11), False),  # TPOT 0.25 s
+    ],
+)
+def test_slo_bounds_are_inclusive(result: RequestResult, meets: bool) -> None:
+    """qualification.md §4: TTFT <= 60 s, TPOT <= 0.2 s, E2E <= 600 s; a request with one
+    output token has no inter-token time, so only TTFT and E2E can fail it."""
+    figures = serve_figures([result], makespan_s=10.0)
+    assert figures["slo_goodput_rps"] == pytest.approx(0.1 if meets else 0.0)

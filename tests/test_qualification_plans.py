@@ -1,7 +1,12 @@
 """Guards the GPU profiles' launch plans (no GPU here): `run PROFILE --dry-run` renders the
 exact `vllm serve` command, the per-arm environment, the tensor-parallel and graph-mode
 flags and the KV budget, alternates arm order, and -- through the real `vllm-hust-ext
-run --dry-run` -- shows the baseline unchanged and the candidate gaining the policy."""
+run --dry-run` -- shows the baseline unchanged and the candidate gaining the policy. The
+record names the lane it ran (the declared host version and commit, whether the host lies
+in the profile's range, the graph mode only when graphs are on, the repeats run). A
+profile that breaks a rule of its schema (one KV budget, positive repeats and prompt
+lengths, unique cells, the table its kind needs, a PEP 440 host range) is refused on load
+with one line naming the rule."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from qualification.cli import main
+from qualification.errors import QualificationError
 from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
 from qualification.runner import launch_plan
 
@@ -175,6 +181,56 @@ def test_bad_profile_is_one_line(
 def test_unknown_profile_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "no-such-profile", "--dry-run"]) == 2
     assert "expected one of" in capsys.readouterr().err
+    # A .toml argument is a path, never a bundled name.
+    assert main(["run", "no-such-profile.toml", "--dry-run"]) == 2
+    assert "no such file no-such-profile.toml;" in capsys.readouterr().err
+
+
+_CPU_CELL = '[[cells]]\nname = "azure-conv-30s"\n'
+
+
+@pytest.mark.parametrize(
+    ("base", "old", "new", "message"),
+    [
+        ("cuda", "kv_cache_memory_bytes = 2147483648\n",
+         "kv_cache_memory_bytes = 2147483648\nnum_gpu_blocks_override = 512\n",
+         "server: Value error, set kv_cache_memory_bytes or num_gpu_blocks_override, not both"),
+        ("cuda", "paragraph_repeats = [80]", "paragraph_repeats = [80, 0]",
+         "cells.0.paragraph_repeats: Value error, paragraph_repeats must be positive"),
+        ("cuda", "paragraph_repeats = [80]\n", "",
+         "<top level>: Value error, every serve cell needs paragraph_repeats"),
+        ("cuda", 'name = "homogeneous-ultralong"', 'name = "homogeneous-long"',
+         "<top level>: Value error, cell names must be unique"),
+        ("cuda", 'kind = "serve"', 'kind = "replay"',
+         "<top level>: Value error, a replay profile needs a [replay] table"),
+        ("cpu-replay", 'kind = "replay"', 'kind = "serve"',
+         "<top level>: Value error, a serve profile needs a [server] table"),
+        ("cpu-replay", "repeats = 3", "repeats = 0", "repeats: Input should be greater than 0"),
+        ("cpu-replay", 'host_version_range = ">=0.33.0,<0.34"', 'host_version_range = "0.33"',
+         "host_version_range: Value error, not a PEP 440 specifier set: '0.33'"),
+    ],
+)
+def test_a_profile_breaking_a_rule_is_refused_on_load(
+    tmp_path: Path, base: str, old: str, new: str, message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = (PROFILE_DIR / f"{base}.toml").read_text()
+    assert old in text
+    variant = tmp_path / "variant.toml"
+    variant.write_text(text.replace(old, new, 1))
+    assert main(["run", str(variant), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"qualification: error: profile {variant}: {message}"), err
+    assert err.count("\n") == 1
+
+
+def test_a_profile_without_cells_is_refused(tmp_path: Path) -> None:
+    """A verdict applies to one cell: a profile must name at least one."""
+    text = (PROFILE_DIR / "cpu-replay.toml").read_text().replace(_CPU_CELL, "")
+    variant = tmp_path / "empty.toml"
+    variant.write_text(text.replace("[manager]\n", "cells = []\n\n[manager]\n", 1))
+    with pytest.raises(QualificationError, match="cells: Tuple should have at least 1 item"):
+        load_profile(str(variant))
 
 
 def test_out_must_not_be_an_existing_file(
@@ -211,6 +267,7 @@ def test_bad_replay_placeholder_is_a_profile_error(
     [
         ("(rank=(\\d+)", "not a valid regular expression"),
         ("rank=\\d+", "exactly one group capturing the rank, got 0"),
+        ("(rank=)(\\d+)", "exactly one group capturing the rank, got 2"),
     ],
 )
 def test_tp_rank_pattern_is_checked_on_load(
@@ -259,6 +316,35 @@ def test_record_hashes_the_profile_file_actually_loaded(tmp_path: Path) -> None:
     ).hexdigest()
 
 
+@pytest.mark.parametrize(
+    ("host_version", "in_range"),
+    [("0.28.1rc1.dev391", True), ("0.34.0", False), ("custom-build", False)],
+)
+def test_record_names_the_declared_host_and_the_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_version: str, in_range: bool
+) -> None:
+    """A declared host_version (the host is not installed here) and VLLM_HUST_COMMIT are
+    what the record names; an unparsable version is not in range; an eager profile records
+    no graph mode; `repeats` is the number run, not the profile's default."""
+    from qualification.runner import build_record
+
+    text = (PROFILE_DIR / "cuda.toml").read_text()
+    text = text.replace('execution_mode = "graph"\n',
+                        f'execution_mode = "graph"\nhost_version = "{host_version}"\n')
+    variant = tmp_path / "declared.toml"
+    variant.write_text(text)
+    monkeypatch.setenv("VLLM_HUST_COMMIT", "a4d6aa02")
+    record = build_record(load_profile(str(variant)), [], 5)
+    assert record["host"]["version"] == host_version  # type: ignore[index]
+    assert record["host"]["in_profile_range"] is in_range  # type: ignore[index]
+    assert record["host"]["commit"] == "a4d6aa02"  # type: ignore[index]
+    assert record["profile"]["graph_mode"] == "FULL_DECODE_ONLY"  # type: ignore[index]
+    assert record["profile"]["repeats"] == 5  # type: ignore[index]
+    variant.write_text(text.replace("[server]\n", "[server]\nenforce_eager = true\n", 1))
+    eager = build_record(load_profile(str(variant)), [], 3)
+    assert eager["profile"]["graph_mode"] is None  # type: ignore[index]
+
+
 def _dry_run(*argv: str) -> subprocess.CompletedProcess[str]:
     """`python -m qualification run --dry-run ...` as a real process (bounded: a hang fails)."""
     return subprocess.run(
@@ -285,7 +371,7 @@ def test_hostile_profile_is_one_line(tmp_path: Path, text: str, message: str) ->
     assert message in proc.stderr and proc.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("repeats", ["99999999999999999999", str(MAX_REPEATS + 1)])
+@pytest.mark.parametrize("repeats", ["99999999999999999999", str(MAX_REPEATS + 1), "0"])
 def test_absurd_repeats_option_is_refused_at_once(repeats: str) -> None:
     proc = _dry_run("cpu-replay", "--repeats", repeats)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -307,3 +393,41 @@ def test_absurd_profile_repeats_is_refused(tmp_path: Path) -> None:
 def test_the_largest_repeats_still_plans() -> None:
     plan = launch_plan(load_profile("cpu-replay"), repeats=MAX_REPEATS)
     assert plan["repeats"] == MAX_REPEATS
+
+
+@needs_manager
+def test_the_largest_repeats_option_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _plan("cpu-replay", capsys, repeats=MAX_REPEATS)["repeats"] == MAX_REPEATS
+
+
+def test_profiles_lists_the_bundled_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profiles"]) == 0
+    assert capsys.readouterr().out.splitlines() == sorted(
+        p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def test_an_interrupted_run_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C is the shell's 128 + SIGINT with one line, not a KeyboardInterrupt traceback."""
+    import qualification.cli
+
+    def interrupt(_name: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qualification.cli, "load_profile", interrupt)
+    assert main(["run", "cpu-replay", "--dry-run"]) == 130
+    assert capsys.readouterr().err == "qualification: interrupted\n"
+
+
+@needs_manager
+def test_each_arm_hands_the_manager_its_shutdown_grace(tmp_path: Path) -> None:
+    from qualification.manager import ManagerSession
+
+    profile = load_profile("cpu-replay")
+    session = ManagerSession(profile.manager, tmp_path, {})
+    program = session.program
+    assert session.run_argv(["bidkv-replay"]) == [
+        *program, "run", "--shutdown-grace-seconds", "10", "--", "bidkv-replay"]
+    assert session.run_argv(["bidkv-replay"], dry_run=True) == [
+        *program, "run", "--dry-run", "--", "bidkv-replay"]

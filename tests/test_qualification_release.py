@@ -1,7 +1,11 @@
 """Guards `python -m qualification release-check`: versions must agree across
-`_version.py`, pyproject, every registered manifest and CHANGELOG.md, and a passing record
-for the manifest's host range (and, when present, its `_manager_runtime_qualification`
-profile) must exist; failures list everything missing."""
+`_version.py`, pyproject (a static version, or one read dynamically from exactly
+`bidkv_ext._version.__version__`), every registered manifest (at the package path or under
+`src/`; the BidKV bundle must be registered) and CHANGELOG.md, and a passing record (gate
+`passed` exactly true, this project's record schema; a record file or a directory) for the
+manifest's valid host range and, when present, its `_manager_runtime_qualification` profile
+(an object; accelerator, model, TP, mode, its runtime commit when the record names one, and
+a passed functional status) must exist; failures list everything missing."""
 
 from __future__ import annotations
 
@@ -52,14 +56,16 @@ def _record(
     *,
     version: str = "1.2.3",
     host: str = "0.33.0",
-    passed: bool = True,
+    passed: object = True,
     accelerator: str = "cuda",
     tp: int = 1,
+    commit: str | None = None,
+    schema: str = RECORD_SCHEMA,
 ) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     doc = {
-        "schema": RECORD_SCHEMA,
-        "extension": {"id": "org.vllm-hust.bidkv", "version": version, "commit": None},
+        "schema": schema,
+        "extension": {"id": "org.vllm-hust.bidkv", "version": version, "commit": commit},
         "host": {"name": "vllm", "version": host},
         "profile": {
             "name": "x",
@@ -166,6 +172,121 @@ def test_manifest_profile_must_match_a_record(tmp_path: Path) -> None:
     assert "'accelerator': ('ascend', 'cuda')" in result.problems[0]
     _record(tmp_path / "records" / "ascend", accelerator="ascend", tp=4)
     assert check_release(root, [tmp_path / "records"]).passed
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('attr = "bidkv_ext._version.__version__"', 'attr = "bidkv_ext.other.__version__"'),
+        ('dynamic = ["version"]', 'dynamic = ["readme"]'),
+    ],
+)
+def test_dynamic_version_must_come_from_version_py(tmp_path: Path, old: str, new: str) -> None:
+    root = _tree(tmp_path)
+    (root / "pyproject.toml").write_text(PYPROJECT.replace(old, new))
+    _record(tmp_path / "records")
+    (problem,) = check_release(root, [tmp_path / "records"]).problems
+    assert problem.startswith(
+        "pyproject.toml: version must be dynamic from bidkv_ext._version.__version__")
+
+
+def test_the_bidkv_bundle_must_be_registered(tmp_path: Path) -> None:
+    """Without the BidKV entry point nothing names the manifest whose host range and record
+    make the release: that is a problem, not a silent pass."""
+    root = _tree(tmp_path)
+    (root / "pyproject.toml").write_text(PYPROJECT.replace('"org.vllm-hust.bidkv" =', '"x.y" ='))
+    _record(tmp_path / "records")
+    result = check_release(root, [tmp_path / "records"])
+    assert not result.passed
+    assert result.problems == (
+        "pyproject.toml registers no vllm_hust.extension_bundles entry point "
+        "'org.vllm-hust.bidkv'",)
+
+
+def test_a_manifest_under_src_is_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    (root / "src" / "manifests").mkdir()
+    (root / "manifests").rename(root / "src" / "manifests")
+    _record(tmp_path / "records")
+    assert check_release(root, [tmp_path / "records"]).passed
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"passed": "yes"}, "gate did not pass"),  # only a JSON true passes
+        ({"schema": "other/1"}, None),  # another tool's record is not read at all
+    ],
+)
+def test_only_a_passing_record_of_this_schema_counts(
+    tmp_path: Path, kw: dict[str, object], why: str | None
+) -> None:
+    root = _tree(tmp_path)
+    _record(tmp_path / "records", **kw)  # type: ignore[arg-type]
+    (problem,) = check_release(root, [tmp_path / "records"]).problems
+    assert problem.startswith("no passing qualification record for 1.2.3")
+    assert (f"record.json ({why})" in problem) if why else ("rejected" not in problem)
+
+
+def test_records_may_be_given_as_a_file(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    path = _record(tmp_path / "records")
+    result = check_release(root, [path])
+    assert result.passed and result.matched_records == (str(path),)
+
+
+@pytest.mark.parametrize(
+    ("change", "record_commit", "passes"),
+    [
+        ({"tested_runtime_commit": "abc123"}, "abc123", True),
+        ({"tested_runtime_commit": "abc123"}, None, True),  # the record names no commit
+        ({"tested_runtime_commit": "abc123"}, "def456", False),
+        ({"functional_compatibility": {"status": "failed"}}, None, False),
+    ],
+)
+def test_manifest_profile_commit_and_functional_status(
+    tmp_path: Path, change: dict[str, object], record_commit: str | None, passes: bool
+) -> None:
+    profile = {
+        "accelerator": "cuda",
+        "model": "M",
+        "tensor_parallel_size": 1,
+        "execution_mode": "graph",
+        "functional_compatibility": {"status": "passed"},
+        **change,
+    }
+    root = _tree(tmp_path, profile=profile)
+    _record(tmp_path / "records", commit=record_commit)
+    result = check_release(root, [tmp_path / "records"])
+    assert result.passed is passes, result.problems
+    if not passes:
+        assert "_manager_runtime_qualification" in result.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (
+            lambda m: m["host"].update(version_range="not a range"),
+            "org.vllm-hust.bidkv manifest: host.version_range 'not a range' is invalid",
+        ),
+        (
+            lambda m: m["activation"].update(
+                additional_config={"_manager_runtime_qualification": "cuda"}),
+            "org.vllm-hust.bidkv manifest: _manager_runtime_qualification must be an object",
+        ),
+    ],
+)
+def test_malformed_primary_manifest_fields_are_listed(
+    tmp_path: Path, edit: object, problem: str
+) -> None:
+    root = _tree(tmp_path)
+    path = root / "manifests/bidkv/vllm-hust-extension-v0.2.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)  # type: ignore[operator]
+    path.write_text(json.dumps(manifest))
+    _record(tmp_path / "records")
+    assert problem in check_release(root, [tmp_path / "records"]).problems
 
 
 def test_the_repository_itself_is_checked(tmp_path: Path) -> None:

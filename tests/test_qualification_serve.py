@@ -2,7 +2,11 @@
 through the real `vllm-hust-ext run`: an engine that dies mid-arm is a failed arm with its
 reason in the record (the run finishes, writes record.json and exits 1, keeping the arms
 already run), and the recomputed-prompt-token figure is the local-compute delta minus the
-prompt tokens the server reported (None when a response carried no usage)."""
+prompt tokens the server reported (None when a response carried no usage). The policy
+facts an arm reads (qualification.md §4) are guarded too: Prometheus counter deltas summed
+over label sets and the enabled gauge (1 is enabled), the manager evidence's largest
+counters with torn lines skipped and the last enabled flag, and the engine log's last
+initialisation line (the built-in victim never counts as an enabled policy)."""
 
 from __future__ import annotations
 
@@ -15,9 +19,15 @@ from pathlib import Path
 import pytest
 
 from qualification.cli import main
+from qualification.evidence import (
+    counters_from_evidence,
+    counters_from_metrics,
+    enabled_from_log,
+    parse_prometheus,
+)
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-pytestmark = pytest.mark.skipif(
+needs_manager = pytest.mark.skipif(
     not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
 )
 
@@ -128,6 +138,7 @@ def _run(tmp: Path, candidate_env: dict[str, str]) -> tuple[int, dict[str, objec
     return code, json.loads((out / "record.json").read_text())
 
 
+@needs_manager
 @pytest.mark.parametrize(
     ("scrape", "stage", "completed"),
     [(1, "before the workload", 0), (2, "after the workload", 2)],
@@ -158,6 +169,7 @@ def test_engine_dying_mid_arm_is_a_failed_arm_in_the_record(
     )
 
 
+@needs_manager
 def test_recomputed_prompt_tokens_subtracts_the_clients_prompt_tokens(tmp_path: Path) -> None:
     """qualification.md §4: recomputed = local_compute delta - the prompt tokens the server
     reported in each stream's usage chunk; with any response lacking usage (the candidate
@@ -173,3 +185,46 @@ def test_recomputed_prompt_tokens_subtracts_the_clients_prompt_tokens(tmp_path: 
     assert base["recomputed_prompt_tokens"] == 2 * RECOMPUTE
     assert cand["prompt_tokens_local_compute"] == sum(prompts) + 2 * RECOMPUTE
     assert cand["client_prompt_tokens"] is None and cand["recomputed_prompt_tokens"] is None
+
+
+def _events(calls: int, selections: int, enabled: int) -> str:
+    return (
+        "# HELP vllm:preemption_policy_events Policy events.\n"
+        "# TYPE vllm:preemption_policy_events counter\n"
+        f'vllm:preemption_policy_events_total{{engine="0",event="calls"}} {calls}\n'
+        f'vllm:preemption_policy_events_total{{engine="1",event="calls"}} {calls}\n'
+        f'vllm:preemption_policy_events_total{{engine="0",event="selections"}} {selections}\n'
+        f"vllm:preemption_policy_enabled {enabled}\n"
+    )
+
+
+def test_policy_counters_and_enabled_gauge_from_metrics() -> None:
+    """Deltas per event summed over engines; the enabled gauge reads 1 as enabled."""
+    before = parse_prometheus(_events(2, 1, 1))
+    counters, enabled = counters_from_metrics(before, parse_prometheus(_events(7, 3, 1)))
+    assert counters == {"calls": 10, "selections": 2}
+    assert enabled is True
+    _, enabled = counters_from_metrics(before, parse_prometheus(_events(7, 3, 0)))
+    assert enabled is False
+
+
+def test_policy_counters_from_the_managers_evidence(tmp_path: Path) -> None:
+    """The largest counters seen (a later event may carry a smaller snapshot), the last
+    enabled flag and policy name; a torn line does not hide the others."""
+    lines = [
+        {"event": "effective", "stats": {"calls": 5, "selections": 2, "enabled": True,
+                                         "policy_name": "bidkv"}},
+        {"event": "effective", "stats": {"calls": 3, "selections": 1, "enabled": False}},
+    ]
+    path = tmp_path / "runtime-evidence.jsonl"
+    path.write_text(json.dumps(lines[0]) + "\n" + '{"stats": {"calls": 9' + "\n"
+                    + json.dumps(lines[1]) + "\n")
+    assert counters_from_evidence(path) == ({"calls": 5, "selections": 2}, False, "bidkv")
+
+
+def test_policy_enabled_from_the_engine_log() -> None:
+    line = "INFO Preemption policy initialized: policy={} enabled={}\n"
+    restarted = line.format("builtin", "True") + line.format("bidkv_ext.selector.P", "True")
+    assert enabled_from_log(restarted) == (True, "bidkv_ext.selector.P")  # the last line
+    assert enabled_from_log(line.format("builtin", "True")) == (False, "builtin")
+    assert enabled_from_log("no such line") == (None, None)

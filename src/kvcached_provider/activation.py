@@ -47,8 +47,9 @@ def register() -> LimitResponder | None:
             return None
         with _lock:
             if _responder is None:
-                _responder = LimitResponder(ipc)
-                _responder.start()
+                responder = LimitResponder(ipc)
+                responder.start()
+                _responder = responder  # kept once serving, so a failed start is retried
             return _responder
     except Exception as exc:  # a plugin failure must not prevent the engine from starting
         _log.warning("kvcached_provider: limit responder not started: %s", exc)
