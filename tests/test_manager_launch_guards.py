@@ -5,12 +5,18 @@ shutdown hooks even when the launch itself fails; a preset ``VLLM_EXTENSION_MANI
 ``VLLM_EXTENSION_BUNDLES`` is refused; an unexpected exception is one ``internal error``
 line, never a traceback; undeclared environment overrides are incompatible; a failed
 check step makes the bundle incompatible even when another step is unverified (spec §5.2
-rule 4); a false boolean launch option renders no flag.
+rule 4); a false boolean launch option renders no flag. Also: each of §4's configuration
+errors is ``incompatible`` with its own text; an out-of-range host is the only check
+evidence; overrides and JSON launch options reach the launch; the plan's enabled flag,
+policy warning and native manifest follow the manifest and state; a real launch binds
+strict evidence with a stable plan id and a fresh launch id.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -109,6 +115,40 @@ def test_shutdown_hooks_run_even_when_the_launch_fails(
     assert "No such file or directory" in err.splitlines()[-1]
 
 
+def test_a_real_launch_binds_fresh_evidence_variables(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§6.3, real launches only: the child gets the manager's sink, strict evidence, a plan
+    id that is the same for the same bundles (a sha256 digest) and a new launch id each
+    launch, and the evidence path next to the state file."""
+    install(site)
+    enable(tmp_path, DECLARED)
+    names = [
+        "VLLM_ECPA_EVIDENCE_SINK",
+        "VLLM_ECPA_EVIDENCE_STRICT",
+        "VLLM_ECPA_PLAN_ID",
+        "VLLM_ECPA_LAUNCH_ID",
+        "VLLM_HUST_EXT_EVIDENCE_PATH",
+    ]
+    launches = []
+    for index in range(2):
+        seen = tmp_path / f"seen{index}"
+        code = (
+            f"import json, os; json.dump({{n: os.environ.get(n) for n in {names!r}}}, "
+            f"open({str(seen)!r}, 'w'))"
+        )
+        result, _, err = invoke(["run", "--", sys.executable, "-c", code], capsys)
+        assert result == 0, err
+        launches.append(json.loads(seen.read_text()))
+    first, second = launches
+    assert first["VLLM_ECPA_EVIDENCE_SINK"] == "hust_ext_manager.runtime_evidence:record_event"
+    assert first["VLLM_ECPA_EVIDENCE_STRICT"] == "1"
+    assert re.fullmatch(r"[0-9a-f]{64}", first["VLLM_ECPA_PLAN_ID"])
+    assert second["VLLM_ECPA_PLAN_ID"] == first["VLLM_ECPA_PLAN_ID"]
+    assert second["VLLM_ECPA_LAUNCH_ID"] != first["VLLM_ECPA_LAUNCH_ID"]
+    assert first["VLLM_HUST_EXT_EVIDENCE_PATH"] == str(tmp_path / "runtime-evidence.jsonl")
+
+
 # --- run: refusals and the error contract ---------------------------------------------
 
 
@@ -186,6 +226,155 @@ def test_a_failed_step_beats_an_unverified_one(
     assert "incompatible" in shown["states"] and "degraded" not in shown["states"]
     assert "host API 2.0 is outside >=1,<2" in shown["evidence"]
     assert "protocol vllm.preemption-policy version is unavailable" in shown["evidence"]
+
+
+@pytest.mark.parametrize(
+    ("configuration", "error"),
+    [
+        ({"environment": ["x"]}, "environment must be an object"),
+        (
+            {"environment": {"BIDKV_UTILITY_ENABLE": 1}},
+            "environment override values must be strings",
+        ),
+        ({"launch_options": []}, "launch_options must be an object"),
+        (
+            {"launch_options": {"speculative_config": "ngram"}},
+            "launch_options.speculative_config must be an object",
+        ),
+        (
+            {"launch_options": {"scheduler_reserve_output_budget": "yes"}},
+            "launch_options.scheduler_reserve_output_budget must be a boolean",
+        ),
+        ({"protocol_versions": ["1.0"]}, "protocol_versions must be an object"),
+        ({"host_version": ""}, "host_version must be a non-empty string"),
+        ({"host_api_version": 2}, "host_api_version must be a non-empty string"),
+    ],
+)
+def test_each_bad_user_configuration_is_incompatible_with_its_own_error(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    configuration: dict[str, Any],
+    error: str,
+) -> None:
+    """§4's configuration errors: each is a provider ``ValueError``, so status is
+    ``installed, discovered, incompatible`` with the error as the only evidence (§5.1), and
+    ``run`` refuses the bundle as incompatible with that text."""
+    install(site)
+    enable(tmp_path, {**DECLARED, **configuration})
+    shown = status(capsys)
+    assert shown["states"] == ["installed", "discovered", "incompatible"]
+    assert shown["evidence"] == [error]
+    code, _, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: refusing to launch incompatible extension {BUNDLE!r}: {error}"
+    )
+
+
+@pytest.mark.parametrize("version", ["0.40.0", "not-a-version"])
+def test_a_host_outside_the_range_is_the_only_check_evidence(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], version: str
+) -> None:
+    """§5.2 step 1: a host version outside the range (an unparsable one counts as outside)
+    makes the bundle incompatible and is returned alone: no API or protocol step follows."""
+    install(site)
+    enable(tmp_path, {**DECLARED, "host_version": version})
+    shown = status(capsys)
+    assert shown["states"] == ["installed", "discovered", "incompatible", "enabled"]
+    assert shown["evidence"] == [
+        f"host version {version} is outside >=0.28.1rc1.dev319,<0.34",
+        "vLLM launch configuration can be rendered",
+    ]
+
+
+def test_configured_overrides_and_launch_options_reach_the_launch(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§4: an ``environment`` override of a declared variable replaces the manifest's value;
+    the two JSON ``launch_options`` render as their vLLM options (compact JSON)."""
+    install(site)
+    enable(
+        tmp_path,
+        {
+            **DECLARED,
+            "environment": {"BIDKV_UTILITY_STRATEGY": "fcfs"},
+            "launch_options": {
+                "speculative_config": {"n": 1},
+                "batch_admission_policy_config": {"a": 2},
+            },
+        },
+    )
+    code, out, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["environment"]["BIDKV_UTILITY_STRATEGY"] == "fcfs"
+    assert shown["environment"]["BIDKV_UTILITY_ENABLE"] == "1"
+    assert shown["command"] == [
+        "h",
+        "--batch-admission-policy-config",
+        '{"a":2}',
+        "--speculative-config",
+        '{"n":1}',
+        "--preemption-policy",
+        "bidkv_ext.selector.BidkvPreemptionPolicy",
+    ]
+
+
+WARNING = (
+    "in-process scheduler activation requires explicit host and protocol compatibility "
+    "evidence; run refuses unverified policies"
+)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_the_plan_records_the_enabled_flag_and_the_policy_warning(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], enabled: bool
+) -> None:
+    """§6.1: the single ``configure_launch`` action carries ``details.enabled`` from the
+    state file, and a ``scheduler_policy`` with protocols carries the policy warning."""
+    install(site)
+    entry = {"enabled": enabled, "configuration": DECLARED}
+    (tmp_path / "config.json").write_text(
+        json.dumps({"schema_version": 2, "extensions": {BUNDLE: entry}})
+    )
+    code, out, err = invoke(["extension", "plan", BUNDLE], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert [(a["operation"], a["details"]) for a in plan["actions"]] == [
+        ("configure_launch", {"enabled": enabled})
+    ]
+    assert plan["warnings"] == [WARNING]
+
+
+def _install_document(site: Path, document: dict[str, Any]) -> None:
+    install(site)
+    (site / "fakeguards" / "b0" / "vllm-hust-extension-v0.2.json").write_text(
+        json.dumps({**document, "extension_id": BUNDLE})
+    )
+
+
+def test_without_protocols_or_api_range_there_is_no_warning_and_no_native_manifest(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The warning needs protocols (§6.1), and the native manifest needs ``host.api_range``
+    (§1.4): without them the plan has neither, ``render`` gives only ``vllm-launch.json``
+    and ``run`` writes no native manifest."""
+    document = json.loads(json.dumps(BASE))
+    document["protocols"] = []
+    del document["host"]["api_range"]
+    _install_document(site, document)
+    enable(tmp_path, {"host_version": "0.33.0"})
+    code, out, err = invoke(["extension", "plan", BUNDLE], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["warnings"] == []
+    assert "native_extension_manifest" not in plan["generated_config"]
+    code, out, _ = invoke(["extension", "render", BUNDLE], capsys)
+    assert [a["name"] for a in json.loads(out)] == ["vllm-launch.json"]
+    code, out, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["native_extension_manifests"] == {}
 
 
 @pytest.mark.parametrize("value", [False, True])

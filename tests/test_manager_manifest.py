@@ -5,7 +5,11 @@ faults) is refused by ``extension validate`` with exit 2 and a one-line message 
 the offending field; the JSON Schema in ``manifests/schema/`` agrees with the rules, is
 shipped identically inside the manager package, and accepts our bundle manifest; our
 BidKV manifest satisfies the official manager's published rules (manager-protocol.md
-§1-§2), so the bundle also works with the official manager unchanged.
+§1-§2), so the bundle also works with the official manager unchanged. Also: the optional
+and nullable fields are accepted, activation pairs print sorted by key, the activation
+blocker needs *every* Python carrier descriptor-only, legacy Bundle v1 manifests go to the
+legacy rules, only a local editable ``direct_url.json`` is searched, strict discovery keeps
+the requested order, and ``list`` reports duplicates and nameless distributions.
 
 Bundles are registered through a throw-away ``*.dist-info`` directory on ``sys.path``, the
 same metadata an installed wheel provides, and the CLI runs in-process (fast).
@@ -323,6 +327,33 @@ MALFORMED: list[tuple[str, Callable[[dict[str, Any]], Any], str, bool]] = [
         "activation.additional_config must be an object with string keys",
         True,
     ),
+    # Only some ranges may be null; the identifier regex has no underscore; key sets are
+    # exact (nothing extra) for entry points and runtime; every service string is checked.
+    (
+        "host-range-null",
+        _set("host.version_range", None),
+        "host.version_range must be a non-empty string",
+        True,
+    ),
+    ("underscore-id", _set("extension_id", "org.test_bad"), "extension_id is invalid", True),
+    (
+        "entry-point-extra",
+        _set("activation.entry_points", [{"group": "g", "name": "n", "value": "m:f"}]),
+        "activation.entry_points[0] requires group and name",
+        True,
+    ),
+    (
+        "runtime-extra",
+        _set("runtime.entry", "x"),
+        "runtime requires type, process_scope, and isolation",
+        True,
+    ),
+    (
+        "service-endpoint",
+        _set("requires_services", [{**_SERVICE, "endpoint_config": " "}]),
+        "requires_services[0].endpoint_config must be a non-empty string",
+        True,
+    ),
 ]
 
 
@@ -465,10 +496,20 @@ def test_duplicate_registrations_are_refused(
     sys.path[:0] = [str(isolated / "fake-one"), str(isolated / "fake-two")]
     try:
         code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+        listed_code, out, _ = invoke(["extension", "list", "--json"], capsys)
     finally:
         del sys.path[:2]
     assert code == 2
     assert f"duplicate Bundle registrations: [{TEST_ID!r}]" in err
+    # ``list`` is tolerant: the duplicate is one diagnostic, not a listed bundle.
+    assert listed_code == 0
+    assert [d for d in json.loads(out) if d["bundle_id"] == TEST_ID] == [
+        {
+            "bundle_id": TEST_ID,
+            "discovery_error": f"duplicate Bundle registrations: [{TEST_ID!r}]",
+            "valid": False,
+        }
+    ]
 
 
 def test_uninstalled_id_is_refused(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -548,6 +589,7 @@ def test_a_manifest_number_json_reads_is_accepted_as_the_official_manager_does(
     ({"direct_url.json": b"\xff\xfe{"}, "editable direct_url.json is invalid"),
     ({"RECORD": b"\xff\n"}, "distribution RECORD cannot be read"),
     ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
+    ({"METADATA": b"Metadata-Version: 2.1\nVersion: 1.0\n"}, "has no distribution name"),
     ({"manifest": b"[" * 100_000 + b"]" * 100_000}, "manifest cannot be read as JSON"),
     # An integer over the int/str digit limit: json.loads raises a plain ValueError.
     ({"manifest": b'{"schema_version": 1' + b"0" * 5000 + b"}"}, "manifest cannot be read as JSON"),
@@ -615,6 +657,198 @@ def test_two_preemption_components_cannot_render(
     code, _, err = invoke(["extension", "plan", TEST_ID], capsys)
     assert code == 2
     assert "exactly one vllm.preemption-policy.v1 component is required" in err
+
+
+def _install_one(site: Path, document: object) -> None:
+    write_dist(
+        site,
+        "fake-bundle",
+        {TEST_ID: "fakepkg.m"},
+        {"fakepkg/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode()},
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _drop("components[0]", "permissions"),
+        _set("protocols[0].version_range", None),
+        _drop("host", "api_range"),
+        _set("requires_services", [{**_SERVICE, "endpoint_config": "url", "optional": True}]),
+    ],
+    ids=["no-permissions", "null-protocol-range", "no-api-range", "optional-service"],
+)
+def test_optional_fields_may_be_left_out_or_null(
+    isolated: Path, capsys: pytest.CaptureFixture[str], mutate: Callable[[dict[str, Any]], Any]
+) -> None:
+    """§1.2-§1.3: a component's ``permissions`` and ``host.api_range`` are optional, a
+    protocol's ``version_range`` may be null, a service may be optional; each validates and
+    inspect shows what the manifest says (absent permissions as [], absent range as null)."""
+    document = mutate(base_manifest())
+    _install_one(isolated, document)
+    code, out, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["protocols"] == document["protocols"]
+    assert shown["host"]["api_range"] == document["host"].get("api_range")
+    assert shown["components"][0]["permissions"] == document["components"][0].get(
+        "permissions", []
+    )
+    assert [s["optional"] for s in shown["requires_services"]] == [
+        s.get("optional", False) for s in document["requires_services"]
+    ]
+
+
+def test_inspect_prints_environment_and_additional_config_sorted_by_key(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§1.2 activation and §4 inspect: both are stored sorted by key and print as
+    ``[key, value]`` pairs in that order, whatever order the manifest file uses."""
+    document = base_manifest()
+    document["activation"]["environment"] = {"B_VAR": "1", "A_VAR": "2"}
+    document["activation"]["additional_config"] = {"zeta": 1, "alpha": {"k": 2}}
+    _install_one(isolated, document)
+    code, out, err = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 0, err
+    activation = json.loads(out)["activation"]
+    assert activation["environment"] == [["A_VAR", "2"], ["B_VAR", "1"]]
+    assert activation["additional_config"] == [["alpha", {"k": 2}], ["zeta", 1]]
+
+
+def _module(status: str) -> dict[str, str]:
+    return {"type": "python_module", "module": "m", "object": "O", "status": status}
+
+
+@pytest.mark.parametrize(
+    ("implementation", "ready"),
+    [
+        ([_module("import_only"), _module("active")], True),
+        ([{"type": "host_builtin", "name": "vllm"}], True),
+        ([_module("import_only"), _module("legacy_unregistered")], False),
+    ],
+    ids=["one-active-module", "no-python-carrier", "all-descriptor-only"],
+)
+def test_activation_blocker_needs_every_python_carrier_descriptor_only(
+    isolated: Path,
+    capsys: pytest.CaptureFixture[str],
+    implementation: list[dict[str, str]],
+    ready: bool,
+) -> None:
+    """§1.4: a bundle is blocked only when its Python carriers are *all* import_only or
+    legacy_unregistered: one active module, or no Python carrier at all, leaves it ready."""
+    _install_one(isolated, _set("implementation", implementation)(base_manifest()))
+    code, out, err = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["activation_ready"] is ready
+    assert (shown["activation_blocker"] is None) is ready
+    code, _, err = invoke(["extension", "enable", TEST_ID], capsys)
+    assert (code == 0) is ready, err
+
+
+def _legacy(**changes: object) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "schema_version": "1.0",
+        "bundle_id": TEST_ID,
+        "bundle_version": "2.0",
+        "host_api_range": ">=1,<2",
+        "components": base_manifest()["components"],
+    }
+    document.update(changes)
+    return document
+
+
+def test_a_legacy_bundle_v1_manifest_is_read_by_the_legacy_parser(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§1.1: ``"schema_version": "1.0"`` dispatches to the legacy Bundle v1 parser; the
+    bundle validates with its components and host API range, and is not experimental."""
+    _install_one(isolated, _legacy())
+    code, out, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["experimental"] is False and shown["bundle_version"] == "2.0"
+    assert shown["host"]["api_range"] == ">=1,<2"
+    assert [c["component_id"] for c in shown["components"]] == ["victim-selector"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"host_api_range": ">=2"}, "bundle requires host API >=2, host provides 1.0"),
+        ({"components": []}, "components must be a non-empty array"),
+        ({"name": "x"}, "manifest contains unknown fields: ['name']"),
+    ],
+    ids=["host-api", "no-components", "unknown-field"],
+)
+def test_a_legacy_manifest_breaking_a_legacy_rule_is_refused(
+    isolated: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], message: str
+) -> None:
+    """The legacy rules: the fixed host API 1.0 must be in ``host_api_range``, components are
+    required and non-empty, and no unknown field is accepted."""
+    _install_one(isolated, _legacy(**changes))
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: {TEST_ID!r} manifest is invalid: {message}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("prefix", "editable", "found"),
+    [
+        ("file://", True, True),
+        ("file://localhost", True, True),
+        ("file://", False, False),
+        ("file://build-host", True, False),
+    ],
+    ids=["editable", "localhost", "not-editable", "remote-host"],
+)
+def test_only_a_local_editable_direct_url_is_searched(
+    isolated: Path,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    prefix: str,
+    editable: bool,
+    found: bool,
+) -> None:
+    """§2: the source tree named by ``direct_url.json`` (its root here, not ``src/``) is
+    searched only when ``dir_info.editable`` is true and the ``file:`` URL's host is empty
+    or ``localhost``; a plain directory install or another machine's path is not."""
+    source = tmp_path / "checkout"
+    (source / "fakepkg" / "m").mkdir(parents=True)
+    (source / "fakepkg" / "m" / "vllm-hust-extension-v0.2.json").write_bytes(_good())
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, {})
+    (isolated / "fake_bundle-1.0.dist-info" / "direct_url.json").write_text(
+        json.dumps({"url": prefix + str(source), "dir_info": {"editable": editable}})
+    )
+    code, out, err = invoke(["extension", "inspect", TEST_ID], capsys)
+    if found:
+        assert code == 0, err
+        assert json.loads(out)["manifest_path"] == str(
+            source / "fakepkg" / "m" / "vllm-hust-extension-v0.2.json"
+        )
+    else:
+        assert code == 2
+        assert err.splitlines()[-1] == (
+            f"vllm-hust-ext: error: {TEST_ID!r} must contain exactly one Bundle v1 manifest"
+        )
+
+
+def test_strict_discovery_returns_the_requested_order(isolated: Path) -> None:
+    """§2: strict resolution returns the bundles in the requested order, not sorted."""
+    from hust_ext_manager.discovery import discover
+
+    files = {
+        f"fakepkg/{leaf}/vllm-hust-extension-v0.2.json": json.dumps(
+            {**base_manifest(), "extension_id": f"org.test.{leaf}"}
+        ).encode()
+        for leaf in ("a", "b")
+    }
+    write_dist(isolated, "fake-bundle", {"org.test.b": "fakepkg.b", "org.test.a": "fakepkg.a"},
+               files)
+    for requested in (["org.test.b", "org.test.a"], ["org.test.a", "org.test.b"]):
+        assert [b.bundle_id for b in discover(requested)] == requested
 
 
 # --- conformance of our own manifest --------------------------------------------------

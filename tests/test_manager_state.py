@@ -7,7 +7,9 @@ configuring different ids at the same moment lose none of their updates (the loc
 Bad input is one error line naming the file or variable: JSON the parser rejects with a
 plain ValueError (an over-long integer), a whitespace-only ``VLLM_HUST_EXT_CONFIG``. As in
 the official manager, unknown top-level keys are ignored and NaN is read and written back.
-A symlinked state file stays a link, and its target gets the new state.
+A symlinked state file stays a link, and its target gets the new state. ``list``,
+``inspect`` and ``status`` show the stored enabled flag; ``configure`` needs an installed
+bundle.
 """
 
 from __future__ import annotations
@@ -131,6 +133,44 @@ def test_forget_rules(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     invoke(["extension", "disable", "org.test.a"], capsys)
     assert invoke(["extension", "forget", "org.test.a"], capsys)[:2] == (0, "forgot org.test.a\n")
     assert json.loads(config.read_text())["extensions"] == {}
+
+
+def test_list_and_inspect_show_the_stored_enabled_flag(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§4: ``list`` prints ``<id> <version> enabled|disabled``, ``inspect``/``list --json``
+    carry ``enabled`` and ``status`` has the ``enabled`` state, each read from the state
+    file."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    code, out, _ = invoke(["extension", "list"], capsys)
+    assert code == 0
+    assert {"org.test.a 0.1.0 enabled", "org.test.b 0.1.0 disabled"} <= set(out.splitlines())
+    code, out, _ = invoke(["extension", "inspect", "org.test.a"], capsys)
+    assert code == 0 and json.loads(out)["enabled"] is True
+    code, out, _ = invoke(["extension", "list", "--json"], capsys)
+    shown = {d["bundle_id"]: d["enabled"] for d in json.loads(out) if "enabled" in d}
+    assert (shown["org.test.a"], shown["org.test.b"]) == (True, False)
+    for bundle_id, enabled in (("org.test.a", True), ("org.test.b", False)):
+        code, out, err = invoke(["extension", "status", bundle_id], capsys)
+        assert code == 0, err
+        assert ("enabled" in json.loads(out)["states"]) is enabled
+
+
+def test_configure_needs_an_installed_bundle(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """§4: ``configure`` resolves the bundle strictly, so an id that is not installed is
+    refused and nothing is stored (unlike ``disable``)."""
+    settings = tmp_path / "settings.json"
+    settings.write_text("{}")
+    code, _, err = invoke(
+        ["extension", "configure", "org.test.gone", "--file", str(settings)], capsys
+    )
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: enabled Bundles are not installed: ['org.test.gone']"
+    )
+    assert not config.exists()
 
 
 def test_disable_works_for_an_uninstalled_id(

@@ -11,7 +11,16 @@ a dead/recycled pid removes it; ``vllm_hust_ext.bundle_checks`` functions are lo
 by status/check/run, their lines are evidence and a failure degrades status and refuses
 ``run``; host range, qualification profile and service health refusals; per-key
 cross-bundle conflicts (different variables render one launch, the same variable with
-different values is refused).
+different values is refused; likewise additional_config keys and rendered options). Also:
+the manager's own sink (private file, bundle named only when one is enabled, refusals of
+unknown or unbound events); which live lines count (bound ``effective`` or
+``runtime_effective``, same host, or naming the bundle's entry point); host and protocol
+detection from package metadata and its override; null protocol ranges; a qualification
+never lifts a failed check and needs ``status: passed`` and every profile key; optional
+and multiple services; a descriptor-only bundle is never launched; plugin modules shipped
+as packages or extensions, or under ``src/`` of a source checkout found by its
+``.egg-info`` (never for an installed RECORD), platform plugins, and ``VLLM_PLUGINS``
+composition.
 """
 
 from __future__ import annotations
@@ -312,6 +321,100 @@ def test_an_oversized_integer_line_is_skipped_like_any_corrupt_line(
     assert status("org.test.p", capsys)["states"][-1] == "runtime_effective"
 
 
+def test_manager_sink_binds_lines_and_refuses_what_it_cannot_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``record_event`` (the sink ``VLLM_ECPA_EVIDENCE_SINK`` names): creates the missing
+    directories and a 0600 file; names the bundle from ``VLLMHUST_EXT_ENABLED_BUNDLES`` only
+    when exactly one is enabled; refuses an unknown event name, a line it cannot bind (no
+    plan or launch id) and a host event that is not ``bound``."""
+    path = tmp_path / "new" / "dir" / "ev.jsonl"
+    monkeypatch.setenv("VLLM_HUST_EXT_EVIDENCE_PATH", str(path))
+    monkeypatch.setenv("VLLM_ECPA_PLAN_ID", "p")
+    monkeypatch.setenv("VLLM_ECPA_LAUNCH_ID", "l")
+    old = os.umask(0o022)
+    try:
+        for enabled in ("org.test.p", "org.test.p,org.test.q"):
+            monkeypatch.setenv("VLLMHUST_EXT_ENABLED_BUNDLES", enabled)
+            runtime_evidence.record_event("initialized", {})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["extension_id"] for line in lines] == ["org.test.p", None]
+    with pytest.raises(ValueError, match="unknown evidence event 'selected'"):
+        runtime_evidence.record_event("selected", {})
+    monkeypatch.delenv("VLLM_ECPA_PLAN_ID")
+    with pytest.raises(ValueError, match="evidence needs VLLM_ECPA_PLAN_ID"):
+        runtime_evidence.record_event("effective", {})
+    unbound = {**lines[0], "binding_status": "unbound"}
+    with pytest.raises(ValueError, match="bound"):
+        runtime_evidence.record_event(unbound)
+    assert len(path.read_text().splitlines()) == 2  # nothing refused was written
+
+
+def _live_line(**changes: Any) -> dict[str, Any]:
+    """A bound ``effective`` line of this (live) test process for ``org.test.p``."""
+    line = evidence_line("effective", {}, {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"})
+    line["extension_id"] = "org.test.p"
+    line.update(changes)
+    copied: dict[str, Any] = json.loads(json.dumps(line))
+    return copied
+
+
+@pytest.mark.parametrize(
+    ("line", "effective"),
+    [
+        (_live_line(binding_status="unbound"), False),
+        (_live_line(event="runtime_effective", observation_kind=None), True),
+        (_live_line(event="initialized", observation_kind=None), False),
+    ],
+    ids=["unbound", "runtime-effective-event", "initialized-event"],
+)
+def test_which_live_lines_count_as_runtime_effective(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    line: dict[str, Any],
+    effective: bool,
+) -> None:
+    """§5.1: only a *bound* ``effective`` or ``runtime_effective`` event (or one observed as
+    ``runtime_effective``) of a live process sets ``runtime_effective``."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
+    assert ("runtime_effective" in status("org.test.p", capsys)["states"]) is effective
+
+
+def test_a_line_from_another_machine_is_not_live(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same pid and start time on another host is another process: a line written there
+    (a shared evidence path) is no live evidence here."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    line = _live_line()
+    line["process"]["host"] = "another-" + line["process"]["host"]
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
+    assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+
+
+def test_a_line_naming_the_bundles_entry_point_counts_for_the_bundle(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A host that records the activation entry point instead of the extension id (its
+    plugin does not know the id) still binds the line to the bundle declaring it."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin}, plugins={"kvp": "fakestatus.kvp_plugin"})
+    set_state(tmp_path, {"org.test.q": {"enabled": True, "configuration": DECLARED}})
+    line = _live_line(extension_id=None, entry_point={"group": "vllm.general_plugins",
+                                                      "name": "kvp"})
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
+    assert status("org.test.q", capsys)["states"][-1] == "runtime_effective"
+
+
 # --- bundle checks --------------------------------------------------------------------
 
 
@@ -532,11 +635,23 @@ PROFILE = {"accelerator": "ascend", "tensor_parallel_size": 4}
     [
         (PROFILE, None, "degraded", "required runtime qualification is unavailable",
          "refusing to launch unverified trusted in-process extension 'org.test.p': "),
+        # Every profile key matches, but the operator's run did not pass.
+        (PROFILE, {"status": "failed", **PROFILE}, "degraded",
+         "required runtime qualification is unavailable",
+         "refusing to launch unverified trusted in-process extension 'org.test.p': "),
         (
             PROFILE,
             {"status": "passed", "accelerator": "cuda", "tensor_parallel_size": 4},
             "incompatible",
             "runtime qualification profile mismatch: {'accelerator': ('ascend', 'cuda')}",
+            "refusing to launch incompatible extension 'org.test.p': ",
+        ),
+        # A profile key the operator's object leaves out differs too (expected, None).
+        (
+            PROFILE,
+            {"status": "passed", "accelerator": "ascend"},
+            "incompatible",
+            "runtime qualification profile mismatch: {'tensor_parallel_size': (4, None)}",
             "refusing to launch incompatible extension 'org.test.p': ",
         ),
         (
@@ -620,6 +735,111 @@ def test_passed_qualification_passes_the_reserved_key_to_the_host(
     assert json.loads(out)["generated_config"]["additional_config"] == {"k": 1}
 
 
+def test_a_qualification_never_lifts_a_failed_check(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§5.2 rule 5 applies only when the check result is already true: a passed
+    qualification cannot turn a host API outside the declared range into compatible."""
+    document = _with(
+        BASE, activation__additional_config={"_manager_runtime_qualification": PROFILE}
+    )
+    install(site, {"org.test.p": document})
+    configuration = {
+        **DECLARED,
+        "host_api_version": "2.0",
+        "runtime_qualification": {"status": "passed", **PROFILE},
+    }
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": configuration}})
+    shown = status("org.test.p", capsys)
+    assert "incompatible" in shown["states"] and "compatible" not in shown["states"]
+    assert "required runtime qualification profile passed" not in shown["evidence"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2 and "refusing to launch incompatible extension 'org.test.p'" in err
+
+
+def _fake_host(site: Path, *, contract: bool) -> None:
+    """An installed host distribution ``fakehost`` 9.1; its RECORD lists the preemption
+    contract module only when ``contract``."""
+    info = site / "fakehost-9.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakehost\nVersion: 9.1\n")
+    listed = "vllm/v1/core/sched/preemption.py" if contract else "fakehost/__init__.py"
+    (info / "RECORD").write_text(f"{listed},,\n")
+
+
+@pytest.mark.parametrize(
+    ("contract", "declared", "state", "line"),
+    [
+        (True, None, "compatible",
+         "protocol vllm.preemption-policy 1.0 satisfies the declared range"),
+        (True, "2.0", "incompatible", "protocol vllm.preemption-policy 2.0 is outside >=1,<2"),
+        (False, None, "degraded", "protocol vllm.preemption-policy version is unavailable"),
+    ],
+    ids=["detected", "configuration-overrides", "host-without-contract"],
+)
+def test_the_host_and_its_protocol_are_detected_from_package_metadata(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    contract: bool,
+    declared: str | None,
+    state: str,
+    line: str,
+) -> None:
+    """§5.2 steps 1 and 3, with nothing configured: the host version is the installed
+    ``host.name`` distribution's, and the preemption protocol is "1.0" exactly when that
+    distribution's RECORD lists the contract module; ``protocol_versions`` overrides it."""
+    document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
+    install(site, {"org.test.p": document})
+    _fake_host(site, contract=contract)
+    configuration = {} if declared is None else {
+        "protocol_versions": {"vllm.preemption-policy": declared}}
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": configuration}})
+    shown = status("org.test.p", capsys)
+    assert state in shown["states"]
+    assert shown["evidence"][:3] == [
+        "host version 9.1 satisfies the declared range",
+        "host API 1.0 satisfies the declared range",
+        line,
+    ]
+
+
+def test_a_null_protocol_range_accepts_any_version(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§5.2 step 3: a protocol declared with ``version_range: null`` (not independently
+    versioned) is satisfied by whatever version is detected or declared."""
+    document = _with(BASE, protocols=[{"name": "vllm.preemption-policy", "version_range": None}])
+    install(site, {"org.test.p": document})
+    configuration = {**DECLARED, "protocol_versions": {"vllm.preemption-policy": "7.3"}}
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": configuration}})
+    shown = status("org.test.p", capsys)
+    assert "compatible" in shown["states"]
+    assert "protocol vllm.preemption-policy 7.3 satisfies the declared range" in shown["evidence"]
+
+
+def test_a_descriptor_only_bundle_enabled_in_the_state_file_is_never_launched(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§5.2 rule 6 and §6.2: a blocked bundle is not configured and is degraded, the blocker
+    last in its evidence, even when its host checks pass; ``run`` refuses it first with
+    ``refusing to launch '<id>': <blocker>``, also when a state file (hand-edited, or written
+    before the bundle's upgrade) has it enabled although ``enable`` would refuse."""
+    document = _with(BASE)
+    document["implementation"][0]["status"] = "import_only"
+    install(site, {"org.test.p": document})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert shown["states"] == ["installed", "discovered", "compatible", "enabled", "degraded"]
+    assert "descriptor-only" in shown["evidence"][-1]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "vllm-hust-ext: error: refusing to launch 'org.test.p': Python implementation carriers "
+        "are descriptor-only"
+    )
+
+
 def test_unhealthy_required_service_refuses_run(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -680,10 +900,47 @@ def test_service_health_separates_reachable_from_healthy(
     shown = status("org.test.p", capsys)
     assert ("reachable" in shown["states"]) is reachable
     assert ("healthy" in shown["states"]) is healthy
+    assert ("degraded" in shown["states"]) is not healthy  # reachable is not enough
     assert any(line.startswith(f"service kv at {url} is") and finding in line
                for line in shown["evidence"])
     code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
     assert (code == 0) is healthy, err
+
+
+def test_an_optional_service_is_evidence_but_never_refuses_run(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§6.2 refuses only *non-optional* services without ``healthy``: an optional service
+    that is not even configured degrades status but the launch goes ahead."""
+    service = {"service_id": "kv", "protocol": "http", "version_range": None,
+               "endpoint_config": "health_url", "optional": True}
+    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
+    install(site, {"org.test.p": document})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "degraded" in shown["states"] and "healthy" not in shown["states"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 0, err
+
+
+def test_one_unreachable_service_makes_the_bundle_unreachable(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], health_server: str
+) -> None:
+    """``reachable`` and ``healthy`` hold for all the services together: a healthy second
+    service does not hide an unconfigured first one."""
+    services = [
+        {"service_id": sid, "protocol": "http", "version_range": None, "endpoint_config": key}
+        for sid, key in (("kv1", "kv1_url"), ("kv2", "kv2_url"))
+    ]
+    document = _with(BASE, requires_services=services, runtime__isolation="external_service")
+    install(site, {"org.test.p": document})
+    configuration = {**DECLARED, "kv2_url": health_server + "/ok"}
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": configuration}})
+    shown = status("org.test.p", capsys)
+    assert "reachable" not in shown["states"] and "healthy" not in shown["states"]
+    assert "service kv1 endpoint kv1_url is not configured" in shown["evidence"]
+    code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
+    assert code == 2 and "required service health is not verified (kv1)" in err
 
 
 # --- cross-bundle conflicts -----------------------------------------------------------
@@ -747,6 +1004,72 @@ def test_bundles_disagreeing_on_a_variable_are_refused(
     assert code == 2 and "disagree on environment variable BIDKV_UTILITY_ENABLE" in err
 
 
+@pytest.mark.parametrize(
+    ("q_config", "error"),
+    [
+        ({"k": 1}, None),
+        ({"k": 2}, "enabled Bundles disagree on additional_config key k"),
+    ],
+    ids=["same-value", "different-value"],
+)
+def test_bundles_may_share_an_additional_config_key_only_with_one_value(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    q_config: dict[str, Any],
+    error: str | None,
+) -> None:
+    """§6.2 step 4 and §9 (per key): enabled bundles' additional_config keys merge; the same
+    key with the same value is one claim, with different values it is refused."""
+    p_document = _with(BASE, activation__additional_config={"k": 1, "p": True})
+    q_document = _with(_other({}), activation__additional_config=q_config)
+    install(site, {"org.test.p": p_document, "org.test.q": q_document})
+    set_state(tmp_path, {
+        "org.test.p": {"enabled": True, "configuration": DECLARED},
+        "org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}},
+    })
+    code, out, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    if error is None:
+        assert code == 0, err
+        assert json.loads(out)["command"][:3] == ["h", "--additional-config", '{"k":1,"p":true}']
+    else:
+        assert code == 2
+        assert err.splitlines()[-1] == f"vllm-hust-ext: error: {error}"
+
+
+def test_bundles_rendering_different_policies_conflict_by_name(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§9 (per key): two bundles rendering ``--preemption-policy`` with different values
+    are refused naming both bundles and the option, before anything is merged."""
+    other = _with(BASE)
+    other["components"][0]["implementation_ref"] = "other_pkg.policy:Other"
+    install(site, {"org.test.p": BASE, "org.test.q": other})
+    set_state(tmp_path, {
+        "org.test.p": {"enabled": True, "configuration": DECLARED},
+        "org.test.q": {"enabled": True, "configuration": DECLARED},
+    })
+    code, _, err = invoke(["run", "--dry-run", "--", "h"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: extensions 'org.test.p' and 'org.test.q' conflict on "
+        "--preemption-policy"
+    )
+
+
+def test_vllm_serve_by_path_is_refused_on_a_host_without_the_contract(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stock-vLLM refusal (no ``--preemption-policy`` flag to render) recognises
+    ``vllm serve`` also when ``vllm`` is given by its path."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    code, _, err = invoke(["run", "--dry-run", "--", "/opt/venv/bin/vllm", "serve", "m"], capsys)
+    assert code == 2
+    assert "the installed vLLM lacks the vllm.preemption-policy contract" in err
+    assert "--scheduler-cls bidkv_ext.hosts.vllm.policy_scheduler" in err
+
+
 def test_plugins_variable_lists_declared_plugins(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -761,6 +1084,98 @@ def test_plugins_variable_lists_declared_plugins(
     code, out, _ = invoke(["extension", "env"], capsys)
     assert code == 0
     assert json.loads(out)["VLLM_PLUGINS"] == "mine,ascend,kvp"
+
+
+def test_plugins_variable_keeps_a_bundles_own_names_and_refuses_a_shared_plugin(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """§6.3: the names a bundle's environment puts in ``VLLM_PLUGINS`` come after the
+    caller's and before ``ascend`` and the declared plugins; two enabled bundles declaring
+    one plugin name are refused."""
+    declares = [{"group": "vllm.general_plugins", "name": "kvp"}]
+    plugin = _with(_other({"VLLM_PLUGINS": "fromenv,mine"}), activation__entry_points=declares)
+    install(site, {"org.test.q": plugin, "org.test.r": _with(_other({}),
+                   activation__entry_points=declares)}, plugins={"kvp": "fakestatus.kvp_plugin"})
+    entry = {"enabled": True, "configuration": {"host_version": "0.33.0"}}
+    set_state(tmp_path, {"org.test.q": entry, "org.test.r": {**entry, "enabled": False}})
+    monkeypatch.setenv("VLLM_PLUGINS", "mine")
+    code, out, err = invoke(["extension", "env"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["VLLM_PLUGINS"] == "mine,fromenv,ascend,kvp"
+    set_state(tmp_path, {"org.test.q": entry, "org.test.r": entry})
+    code, _, err = invoke(["extension", "env"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: enabled Bundles ['org.test.q', 'org.test.r'] both declare "
+        "vLLM plugin 'kvp'"
+    )
+
+
+def _source_checkout(site: Path, document: dict[str, Any]) -> Path:
+    """A project checkout on ``sys.path`` whose ``.egg-info`` (left by setuptools) is the
+    distribution found: SOURCES.txt lists the plugin module under ``src/``."""
+    info = site / "fake_src.egg-info"
+    info.mkdir()
+    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: fake-src\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm_hust.extension_bundles]\norg.test.q = fakesrcb.b0\n"
+        "[vllm.general_plugins]\nkvp = fakesrc.kvp_plugin:register\n")
+    manifest = site / "fakesrcb" / "b0" / "vllm-hust-extension-v0.2.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({**document, "extension_id": "org.test.q"}))
+    module = site / "src" / "fakesrc" / "kvp_plugin.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def register() -> None:\n    pass\n")
+    (info / "SOURCES.txt").write_text(
+        "pyproject.toml\nfakesrcb/b0/vllm-hust-extension-v0.2.json\n"
+        "src/fakesrc/kvp_plugin.py\n")
+    return module
+
+
+def test_a_source_checkouts_egg_info_ships_its_src_modules(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run from a project checkout (``python -m hust_ext_manager`` puts it on sys.path),
+    the checkout's ``.egg-info`` is the distribution found, and its SOURCES.txt names
+    modules by their place under ``src/``: a declared plugin module there counts as
+    shipped, and one missing from the tree still does not."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    module = _source_checkout(site, plugin)
+    set_state(tmp_path, {"org.test.q": {"enabled": True,
+                                       "configuration": {"host_version": "0.33.0"}}})
+    code, out, _ = invoke(["extension", "list", "--json"], capsys)
+    [listed] = [d for d in json.loads(out) if d["bundle_id"] == "org.test.q"]
+    assert code == 0 and "discovery_error" not in listed, listed
+    assert listed["distribution"] == "fake-src"
+    module.unlink()
+    code, out, _ = invoke(["extension", "list", "--json"], capsys)
+    [listed] = [d for d in json.loads(out) if d["bundle_id"] == "org.test.q"]
+    assert listed["valid"] is False
+    assert listed["discovery_error"].endswith(
+        "targets module 'fakesrc.kvp_plugin', which distribution 'fake-src' does not contain")
+
+
+def test_an_installed_record_is_not_searched_under_src(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An installed distribution (it has a RECORD) ships only the module paths its RECORD
+    lists: a file of that name under ``src/`` beside it is not the module vLLM imports."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin}, plugins={"kvp": "fakestatus.gone"})
+    (site / "fakestatus" / "gone.py").unlink()
+    (site / "src" / "fakestatus").mkdir(parents=True)
+    (site / "src" / "fakestatus" / "gone.py").write_text("def register() -> None:\n    pass\n")
+    # Even with a SOURCES.txt naming it there: the RECORD is what was installed.
+    (site / "fake_status-1.0.dist-info" / "SOURCES.txt").write_text("src/fakestatus/gone.py\n")
+    set_state(tmp_path, {"org.test.q": {"enabled": True,
+                                       "configuration": {"host_version": "0.33.0"}}})
+    _, out, _ = invoke(["extension", "list", "--json"], capsys)
+    [listed] = [d for d in json.loads(out) if d["bundle_id"] == "org.test.q"]
+    assert listed["valid"] is False
 
 
 @pytest.mark.parametrize(("plugins", "why"), [
@@ -792,6 +1207,52 @@ def test_a_declared_plugin_must_be_the_bundles_own(
         f"'org.test.q' activation entry point vllm.general_plugins:kvp {why}")
     code, _, err = invoke(["run", "--dry-run", "--", "true"], capsys)
     assert code == 2 and why in err
+
+
+@pytest.mark.parametrize(
+    "shipped",
+    ["fakestatus/kvp_plugin/__init__.py", "fakestatus/kvp_plugin.cpython-312-x86_64-linux-gnu.so"],
+    ids=["package", "extension-module"],
+)
+def test_a_declared_plugin_may_ship_as_a_package_or_an_extension_module(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], shipped: str
+) -> None:
+    """The plugin's target module counts as shipped when the RECORD lists it as a package
+    (``__init__.py``) or a compiled extension, not only as ``<module>.py``; the file is only
+    looked at, never imported (the ``.so`` here is empty)."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin}, plugins={"kvp": "fakestatus.kvp_plugin"})
+    (site / "fakestatus" / "kvp_plugin.py").unlink()
+    (site / shipped).parent.mkdir(parents=True, exist_ok=True)
+    (site / shipped).write_bytes(b"")
+    record = site / "fake_status-1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text().replace("fakestatus/kvp_plugin.py", shipped))
+    set_state(
+        tmp_path, {"org.test.q": {"enabled": True, "configuration": {"host_version": "0.33.0"}}}
+    )
+    code, out, err = invoke(["extension", "env"], capsys)
+    assert code == 0, err
+    assert "kvp" in json.loads(out)["VLLM_PLUGINS"].split(",")
+
+
+def test_a_declared_platform_plugin_must_be_the_bundles_own_too(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ownership rule covers ``vllm.platform_plugins`` as well as general plugins: the
+    same name published only as a general plugin does not satisfy a platform declaration."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.platform_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.q": plugin}, plugins={"kvp": "fakestatus.kvp_plugin"})
+    code, out, err = invoke(["extension", "list", "--json"], capsys)
+    assert code == 0, err
+    [listed] = [d for d in json.loads(out) if d["bundle_id"] == "org.test.q"]
+    assert listed["discovery_error"] == (
+        "'org.test.q' activation entry point vllm.platform_plugins:kvp is not published by "
+        "distribution 'fake-status'"
+    )
 
 
 def test_only_the_vllm_provider_is_served(

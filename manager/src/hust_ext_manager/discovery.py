@@ -2,7 +2,9 @@
 
 A bundle registers ``[vllm_hust.extension_bundles] <extension_id> = <dotted.directory>``.
 The manifest is located through the distribution's RECORD (``dist.files``), or, for an
-editable install, through ``direct_url.json`` under the source root and ``src/``.
+editable install, through ``direct_url.json`` under the source root and ``src/``. A
+declared vLLM plugin's module is looked for the same way, and also under the root and
+``src/`` of a source checkout whose ``.egg-info`` is the distribution found.
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def _editable_roots(dist: Distribution) -> list[Path]:
     return [root, root / "src"]
 
 
+def _source_tree_roots(dist: Distribution) -> list[Path]:
+    """Where modules live when ``dist`` is an ``.egg-info`` directory in a source checkout.
+
+    setuptools leaves ``<name>.egg-info`` at a project's root when it finds packages there
+    (an editable install does so too), and Python puts that root on ``sys.path`` whenever
+    it runs from it (``python -m ...``), so the checkout itself is the distribution found
+    first. Its SOURCES.txt lists files under the project's package directories (``src/``),
+    not by module path, so modules are looked for under the root and ``src/``, as for an
+    editable install. A distribution with a RECORD is installed and never read this way.
+    """
+    try:
+        if dist.read_text("RECORD") is not None or dist.read_text("SOURCES.txt") is None:
+            return []  # a RECORD lists what was installed, wherever the sources are
+    except (OSError, ValueError):  # unreadable metadata: the RECORD check reports it
+        return []
+    root = Path(str(dist.locate_file("")))
+    return [root, root / "src"]
+
+
 def _recorded(bundle_id: str, dist: Distribution) -> set[PurePosixPath]:
     """The files the distribution's RECORD lists."""
     try:
@@ -99,7 +120,8 @@ def _ships_module(dist: Distribution, recorded: set[PurePosixPath], module: str)
         p.parent == folder and p.name.startswith(f"{leaf}.") and p.suffix in (".so", ".pyd"))]
     if any(Path(str(dist.locate_file(str(p)))).is_file() for p in listed):
         return True
-    return any((root / p).is_file() for root in _editable_roots(dist) for p in sources)
+    roots = [*_editable_roots(dist), *_source_tree_roots(dist)]
+    return any((root / p).is_file() for root in roots for p in sources)
 
 
 def _check_plugins(
