@@ -840,17 +840,19 @@ def test_a_descriptor_only_bundle_enabled_in_the_state_file_is_never_launched(
     )
 
 
+def _install_with_service(site: Path, **extra: Any) -> None:
+    """Bundle ``org.test.p`` needing HTTP service ``kv`` whose health URL is configured
+    as ``health_url``."""
+    service = {"service_id": "kv", "protocol": "http", "version_range": None,
+               "endpoint_config": "health_url", **extra}
+    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
+    install(site, {"org.test.p": document})
+
+
 def test_unhealthy_required_service_refuses_run(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    service = {
-        "service_id": "kv",
-        "protocol": "http",
-        "version_range": None,
-        "endpoint_config": "health_url",
-    }
-    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
-    install(site, {"org.test.p": document})
+    _install_with_service(site)
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
     shown = status("org.test.p", capsys)
     assert "degraded" in shown["states"] and "reachable" not in shown["states"]
@@ -890,10 +892,7 @@ def test_service_health_separates_reachable_from_healthy(
 ) -> None:
     """A server answering 500 is reachable but not healthy (manager-protocol.md §5.1 keeps
     the two states apart); an endpoint that is not http(s) is evidence, not a crash."""
-    service = {"service_id": "kv", "protocol": "http", "version_range": None,
-               "endpoint_config": "health_url"}
-    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
-    install(site, {"org.test.p": document})
+    _install_with_service(site)
     url = path if ":" in path else health_server + path
     set_state(tmp_path, {"org.test.p": {
         "enabled": True, "configuration": {**DECLARED, "health_url": url}}})
@@ -912,10 +911,7 @@ def test_an_optional_service_is_evidence_but_never_refuses_run(
 ) -> None:
     """§6.2 refuses only *non-optional* services without ``healthy``: an optional service
     that is not even configured degrades status but the launch goes ahead."""
-    service = {"service_id": "kv", "protocol": "http", "version_range": None,
-               "endpoint_config": "health_url", "optional": True}
-    document = _with(BASE, requires_services=[service], runtime__isolation="external_service")
-    install(site, {"org.test.p": document})
+    _install_with_service(site, optional=True)
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
     shown = status("org.test.p", capsys)
     assert "degraded" in shown["states"] and "healthy" not in shown["states"]

@@ -34,6 +34,13 @@ version = { attr = "bidkv_ext._version.__version__" }
 """
 
 
+def _profile(**change: object) -> dict[str, object]:
+    """A manifest qualification profile matching ``_record``'s defaults, with ``change``."""
+    return {"accelerator": "cuda", "model": "M", "tensor_parallel_size": 1,
+            "execution_mode": "graph", "functional_compatibility": {"status": "passed"},
+            **change}
+
+
 def _tree(tmp: Path, version: str = "1.2.3", profile: dict[str, object] | None = None) -> Path:
     root = tmp / "repo"
     (root / "src" / "bidkv_ext").mkdir(parents=True)
@@ -157,13 +164,7 @@ def test_record_must_pass_for_this_version_and_host_range(
 
 
 def test_manifest_profile_must_match_a_record(tmp_path: Path) -> None:
-    profile = {
-        "accelerator": "ascend",
-        "model": "M",
-        "tensor_parallel_size": 4,
-        "execution_mode": "graph",
-        "functional_compatibility": {"status": "passed"},
-    }
+    profile = _profile(accelerator="ascend", tensor_parallel_size=4)
     root = _tree(tmp_path, profile=profile)
     _record(tmp_path / "records" / "cuda")
     result = check_release(root, [tmp_path / "records"])
@@ -247,14 +248,7 @@ def test_records_may_be_given_as_a_file(tmp_path: Path) -> None:
 def test_manifest_profile_commit_and_functional_status(
     tmp_path: Path, change: dict[str, object], record_commit: str | None, passes: bool
 ) -> None:
-    profile = {
-        "accelerator": "cuda",
-        "model": "M",
-        "tensor_parallel_size": 1,
-        "execution_mode": "graph",
-        "functional_compatibility": {"status": "passed"},
-        **change,
-    }
+    profile = _profile(**change)
     root = _tree(tmp_path, profile=profile)
     _record(tmp_path / "records", commit=record_commit)
     result = check_release(root, [tmp_path / "records"])
