@@ -85,6 +85,16 @@ def install(
     (info / "RECORD").write_text("".join(record))
 
 
+def _metadata(folder: Path, name: str, entry_points: str) -> Path:
+    """A distribution's metadata folder (``*.dist-info``, or a source checkout's
+    ``*.egg-info``) naming ``name`` 1.0 and publishing ``entry_points``."""
+    folder.mkdir()
+    metadata = "PKG-INFO" if folder.suffix == ".egg-info" else "METADATA"
+    (folder / metadata).write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (folder / "entry_points.txt").write_text(entry_points)
+    return folder
+
+
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
@@ -474,12 +484,9 @@ def test_only_the_bundles_own_distribution_registers_its_hooks(
     bundle's id is never loaded: it could veto the launch or run code in the bundle's name."""
     marker = _check_module(site, "return [(False, 'vetoed')]", "fakecheck_intruder")
     install(site, {"org.test.p": BASE})
-    intruder = site / "intruder-1.0.dist-info"
-    intruder.mkdir()
-    (intruder / "METADATA").write_text("Metadata-Version: 2.1\nName: intruder\nVersion: 1.0\n")
-    (intruder / "entry_points.txt").write_text(
-        "[vllm_hust_ext.bundle_checks]\norg.test.p = fakecheck_intruder:check\n"
-        "[vllm_hust_ext.bundle_shutdown]\norg.test.p = fakecheck_intruder:check\n")
+    _metadata(site / "intruder-1.0.dist-info", "intruder",
+              "[vllm_hust_ext.bundle_checks]\norg.test.p = fakecheck_intruder:check\n"
+              "[vllm_hust_ext.bundle_shutdown]\norg.test.p = fakecheck_intruder:check\n")
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
     shown = status("org.test.p", capsys)
     assert "vetoed" not in shown["evidence"] and "degraded" not in shown["states"]
@@ -1110,12 +1117,9 @@ def test_plugins_variable_keeps_a_bundles_own_names_and_refuses_a_shared_plugin(
 def _source_checkout(site: Path, document: dict[str, Any]) -> Path:
     """A project checkout on ``sys.path`` whose ``.egg-info`` (left by setuptools) is the
     distribution found: SOURCES.txt lists the plugin module under ``src/``."""
-    info = site / "fake_src.egg-info"
-    info.mkdir()
-    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: fake-src\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm_hust.extension_bundles]\norg.test.q = fakesrcb.b0\n"
-        "[vllm.general_plugins]\nkvp = fakesrc.kvp_plugin:register\n")
+    info = _metadata(site / "fake_src.egg-info", "fake-src",
+                     "[vllm_hust.extension_bundles]\norg.test.q = fakesrcb.b0\n"
+                     "[vllm.general_plugins]\nkvp = fakesrc.kvp_plugin:register\n")
     manifest = site / "fakesrcb" / "b0" / "vllm-hust-extension-v0.2.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({**document, "extension_id": "org.test.q"}))
