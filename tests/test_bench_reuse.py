@@ -1,7 +1,14 @@
 """``run.py``/``headroom.py --reuse`` reads a saved report only when it stands for the
 replay asked for now: the same arms, and every BidKV arm recorded with exactly the settings
 this code resolves for it. A report made under an earlier default (the liveness threshold
-was 4) or without recorded settings is replayed, never mixed into the medians."""
+was 4) or without recorded settings is replayed, never mixed into the medians.
+
+``run.py slices`` turns per-slice reports into issue 8's figures; these are pinned here on
+small hand-built arms whose expected figures are worked out in the comments: per-slice
+ratios paired by slice against the better (lesser) of the peers on that slice, medians
+(not means) over slices, the seeded bootstrap interval, the share of the best peer's gap
+to the clairvoyant reference closed, evaluation.md's oracle-gap capture against builtin,
+and every goal's threshold and its boundary (a figure exactly at its goal meets it)."""
 
 from __future__ import annotations
 
@@ -70,3 +77,188 @@ def test_a_stale_report_is_replayed(tmp_path: Path, arms: list[dict[str, object]
                                     why: str) -> None:
     reason = run.stale_reason(_saved(tmp_path, arms), ARGV)
     assert reason is not None and why in reason
+
+
+# --- run.py slices: the figures and goal checks -------------------------------------------
+
+PC = run.Cell("c-pc", "t.csv", ("--duration", "300"))
+NOPC = run.Cell("c-nopc", "t.csv", ("--duration", "300", "--no-prefix-caching"))
+
+
+def _arm(label: str, tax: float, p95: float = 10.0, tps: float = 1000.0, p99: float = 100.0,
+         worst: int = 0) -> dict[str, object]:
+    return {"label": label, "recompute_tax": tax, "ttft_s": {"p95": p95, "p99": p99},
+            "throughput_output_tok_s": tps, "max_preemptions_one_request": worst}
+
+
+def _slice(*arms: dict[str, object]) -> dict[str, dict[str, object]]:
+    return {str(a["label"]): a for a in arms}
+
+
+def test_ratio_of_and_metric_of() -> None:
+    assert run.ratio_of(0.0, 0.0) == 1.0  # both recomputed nothing: a tie
+    assert run.ratio_of(0.125, 0.0) == float("inf")
+    assert run.ratio_of(0.125, 0.5) == 0.25
+    arm = _arm("x", 0.125, p95=2.0, tps=500.0, p99=3.0)
+    assert [run.metric_of(arm, k) for k in ("tax", "p95", "p99", "throughput_output_tok_s")] \
+        == [0.125, 2.0, 3.0, 500.0]
+
+
+def test_paired_ratios_pair_by_slice_against_the_least_peer() -> None:
+    runs = [_slice(_arm("builtin", 0.25), _arm("least-computed-first", 0.5), _arm("bidkv", 0.125)),
+            _slice(_arm("builtin", 0.75), _arm("least-computed-first", 0.375),
+                   _arm("bidkv", 0.375)),
+            _slice(_arm("builtin", 1.0), _arm("least-computed-first", 0.75), _arm("bidkv", 0.5))]
+    # slice 0: 0.125 / min(0.25, 0.5) = 0.5; slice 1: 0.375 / 0.375 = 1; slice 2: 0.5 / 0.75
+    assert run.paired_ratios(runs, "tax", "bidkv", "builtin", "least-computed-first") \
+        == pytest.approx([0.5, 1.0, 2 / 3])
+    # one peer: slice by slice 0.125 / 0.25, 0.375 / 0.75, 0.5 / 1.0
+    assert run.paired_ratios(runs, "tax", "bidkv", "builtin") == pytest.approx([0.5] * 3)
+
+
+def test_bootstrap_interval_is_the_2_5_and_97_5_percentiles_of_resampled_medians() -> None:
+    # A resample of 9 has median 1 when >= 5 of its draws are a 1 (p = 2/9 each):
+    # C(9,5)(2/9)^5(7/9)^4 + C(9,6)(2/9)^6(7/9)^3 + ... ~= 0.025 + 0.0048 + 0.0006 ~= 0.030,
+    # and likewise median 7 (~3 % of the 10,000 seeded resamples each). So the 2.5th and
+    # 97.5th percentiles are 1 and 7; the 5th and 95th would be 2 and 6, and percentiles of
+    # resampled means would lie strictly inside (1, 7).
+    assert run._bootstrap_median([1, 1, 2, 3, 4, 5, 6, 7, 7]) == (1.0, 7.0)
+
+
+def _row_runs() -> list[dict[str, dict[str, object]]]:
+    return [
+        _slice(_arm("builtin", 0.2, p95=10.0, worst=1), _arm("least-computed-first", 0.4, p95=8.0),
+               _arm("bidkv", 0.1, p95=4.0, tps=990.0, worst=3)),
+        _slice(_arm("builtin", 0.6, p95=20.0), _arm("least-computed-first", 0.3, p95=10.0),
+               _arm("bidkv", 0.3, p95=10.0, tps=1000.0, worst=1)),
+        _slice(_arm("builtin", 0.8, p95=30.0), _arm("least-computed-first", 1.0, p95=40.0),
+               _arm("bidkv", 0.4, p95=8.0, tps=1200.0, worst=2)),
+    ]
+
+
+def test_slice_rows_show_medians_and_paired_ratio_columns() -> None:
+    rows = run._slice_rows(PC, _row_runs())
+    # builtin: median tax of 0.2, 0.6, 0.8 is 0.6; P95 10, 20, 30 -> 20; worst slice 1
+    assert rows[0] == "| c-pc | builtin | 60.00% | 20.00 | 1000 | 1 | - | - | - |"
+    # bidkv: median tax of 0.1, 0.3, 0.4 = 30 % (the mean would be 26.67 %); P95 of 4, 10, 8
+    # -> 8; tok/s of 990, 1000, 1200 -> 1000; worst 3 (max over slices). Per slice
+    # tax / LCF = 0.25, 1.0, 0.4 -> median 0.4 (mean 0.55); tax / builtin = 0.5 on every
+    # slice; P95 / LCF = 0.5, 1.0, 0.2 -> 0.5. With 3 slices a resample's median is the
+    # least value with p = 7/27 > 2.5 % (and the greatest likewise): the interval is
+    # [min, max].
+    assert rows[2] == ("| c-pc | bidkv | 30.00% | 8.00 | 1000 | 3 | 0.400 [0.250, 1.000] | "
+                       "0.500 [0.500, 0.500] | 0.500 [0.200, 1.000] |")
+
+
+def test_slice_goals_at_their_boundaries_are_met() -> None:
+    # Every slice: bidkv's tax and P95 equal the best peer's (LCF's tax, builtin's P95):
+    # ratios 1.0; the reference recomputes as much as the best peer (no gap) and bidkv is at
+    # it: 1.0 closed; throughput 990 / 1000 = 0.99. Capture vs builtin: (0.5 - 0.25) /
+    # (0.5 - 0.25) = 1.
+    one = _slice(_arm("builtin", 0.5, p95=8.0), _arm("least-computed-first", 0.25, p95=16.0),
+                 _arm("bidkv", 0.25, p95=8.0, tps=990.0), _arm(run.ORACLE, 0.25))
+    assert run._slice_goals(PC, [one] * 3) == (
+        "- `c-pc`: tax / best peer 1.000 (goal <= 1.0): yes; "
+        "P95 TTFT / best peer 1.000 (goal <= 1.0): yes; "
+        "gap to clairvoyant closed 1.00 (goal >= 0.5): yes; "
+        "throughput / builtin 0.990 (goal >= 0.99): yes; "
+        "oracle-gap capture vs builtin (evaluation.md) 1.00 over 3 of 3 slices")
+
+
+def test_slice_goals_with_prefix_caching_pair_each_slice_with_its_best_peer() -> None:
+    b, lcf, o = "builtin", "least-computed-first", run.ORACLE
+    s0 = _slice(_arm(b, 0.5, p95=8.0), _arm(lcf, 0.75, p95=16.0, tps=500.0),
+                _arm("bidkv", 0.375, p95=8.0), _arm(o, 0.25))
+    runs = [
+        s0,
+        _slice(_arm(b, 1.0, p95=16.0), _arm(lcf, 0.5, p95=8.0, tps=500.0),
+               _arm("bidkv", 0.375, p95=6.0, tps=980.0), _arm(o, 0.25)),
+        _slice(_arm(b, 0.25, p95=10.0), _arm(lcf, 0.5, p95=20.0, tps=500.0),
+               _arm("bidkv", 0.0625, p95=5.0, tps=990.0), _arm(o, 0.375)),
+        s0,
+    ]
+    # tax / min(builtin, LCF) per slice: 0.375/0.5, 0.375/0.5, 0.0625/0.25, 0.375/0.5
+    #   = 0.75, 0.75, 0.25, 0.75 -> median 0.75 (mean 0.625)
+    # P95 / min: 8/8, 6/8, 5/10, 8/8 = 1, 0.75, 0.5, 1 -> median 0.875 (p99 is 100 everywhere)
+    # gap closed = (best - bidkv) / (best - clairvoyant): (0.5-0.375)/(0.5-0.25) = 0.5,
+    #   (0.5-0.375)/(0.5-0.25) = 0.5, slice 2 has no gap (0.375 > 0.25) and bidkv is at or
+    #   below the best peer: 1.0; 0.5 -> median 0.5, exactly the goal (mean 0.625)
+    # throughput / builtin: 1, 0.98, 0.99, 1 -> 0.995 (against LCF it would be ~1.99)
+    # capture vs builtin = (builtin - bidkv) / (builtin - clairvoyant): 0.125/0.25 = 0.5,
+    #   0.625/0.75 = 0.833, none on slice 2 (no gap), 0.5 -> median of 3 = 0.5 (mean 0.61)
+    assert run._slice_goals(PC, runs) == (
+        "- `c-pc`: tax / best peer 0.750 (goal <= 1.0): yes; "
+        "P95 TTFT / best peer 0.875 (goal <= 1.0): yes; "
+        "gap to clairvoyant closed 0.50 (goal >= 0.5): yes; "
+        "throughput / builtin 0.995 (goal >= 0.99): yes; "
+        "oracle-gap capture vs builtin (evaluation.md) 0.50 over 3 of 4 slices")
+
+
+def test_slice_goals_without_prefix_caching() -> None:
+    b, lcf = "builtin", "least-computed-first"
+    runs = [
+        _slice(_arm(b, 1.0, p95=4.0), _arm(lcf, 0.5, p95=8.0),
+               _arm("bidkv", 0.4375, p95=6.0, tps=985.0)),
+        _slice(_arm(b, 0.75, p95=4.0), _arm(lcf, 0.5, p95=8.0),
+               _arm("bidkv", 0.4375, p95=6.0, tps=985.0)),
+        _slice(_arm(b, 0.5, p95=4.0), _arm(lcf, 0.25, p95=8.0),
+               _arm("bidkv", 0.265625, p95=6.0, tps=985.0)),
+    ]
+    # tax / LCF: 0.875, 0.875, 1.0625 -> 0.875 (> 0.85); tax / builtin: 0.4375, 0.583,
+    # 0.53125 -> 0.53125 (> 0.5); P95 / LCF 6/8 = 0.75 (against builtin 1.5); throughput
+    # 985 / 1000 = 0.985 (< 0.99)
+    assert run._slice_goals(NOPC, runs) == (
+        "- `c-nopc`: tax / LCF 0.875 (goal <= 0.85): NO; "
+        "tax / builtin 0.531 (goal <= 0.5): NO; "
+        "P95 TTFT / LCF 0.750 (goal <= 1.0): yes; "
+        "throughput / builtin 0.985 (goal >= 0.99): NO")
+
+
+def test_single_window_goals_at_their_boundaries_are_met() -> None:
+    # bidkv's tax = LCF's 0.25, P95 = builtin's 8, throughput 990 = 0.99 x 1000. Without
+    # the clairvoyant arm there is no gap line at all (as in _slice_goals).
+    arms = _slice(_arm("builtin", 0.5, p95=8.0), _arm("least-computed-first", 0.25, p95=16.0),
+                  _arm("bidkv", 0.25, p95=8.0, tps=990.0))
+    assert run._goals(PC, arms, True) == (
+        "- `c-pc`: tax <= best peer: yes; P95 TTFT <= best peer: yes; "
+        "throughput >= 0.99x builtin: yes")
+    # With it, at 0.125: half the gap is at 0.25 - 0.0625 = 0.1875; bidkv at exactly that.
+    arms = _slice(*arms.values(), _arm(run.ORACLE, 0.125))
+    arms["bidkv"]["recompute_tax"] = 0.1875
+    assert run._goals(PC, arms, True) == (
+        "- `c-pc`: tax <= best peer: yes; P95 TTFT <= best peer: yes; "
+        "closes half the gap to clairvoyant: yes; throughput >= 0.99x builtin: yes")
+
+
+def test_single_window_goals_missed() -> None:
+    b, lcf = "builtin", "least-computed-first"
+    # best peer tax 0.25 (LCF), reference 0.125: half the gap is at 0.25 - 0.0625 = 0.1875;
+    # bidkv's 0.21875 is below the best peer but short of that. P95 12 > builtin's 8 (the
+    # better peer); 980 < 0.99 x 1000.
+    arms = _slice(_arm(b, 0.5, p95=8.0), _arm(lcf, 0.25, p95=16.0),
+                  _arm("bidkv", 0.21875, p95=12.0, tps=980.0), _arm(run.ORACLE, 0.125))
+    assert run._goals(PC, arms, True) == (
+        "- `c-pc`: tax <= best peer: yes; P95 TTFT <= best peer: NO; "
+        "closes half the gap to clairvoyant: NO; throughput >= 0.99x builtin: NO")
+    # without prefix caching: 0.21875 > 0.85 x 0.25 = 0.2125 and > 0.5 x 0.40625 = 0.203125;
+    # P95 12 <= LCF's 16 (builtin's 8 is not the peer here)
+    arms = _slice(_arm(b, 0.40625, p95=8.0), _arm(lcf, 0.25, p95=16.0),
+                  _arm("bidkv", 0.21875, p95=12.0, tps=980.0))
+    assert run._goals(NOPC, arms, False) == (
+        "- `c-nopc`: tax <= 0.85x LCF: NO; tax <= 0.5x builtin: NO; P95 TTFT <= LCF: yes; "
+        "throughput >= 0.99x builtin: NO")
+
+
+def test_capture_against_builtin() -> None:
+    arms = _slice(_arm("builtin", 0.5, p95=5.0, p99=20.0), _arm("bidkv", 0.3125, p95=5.0, p99=14.0))
+    ref = _arm(run.ORACLE, 0.25, p95=5.0, p99=8.0)
+    # (builtin - bidkv) / (builtin - ref): tax 0.1875 / 0.25 = 0.75; P99 6 / 12 = 0.5
+    assert run.capture(arms, ref, "tax") == 0.75
+    assert run.capture(arms, ref, "p99") == 0.5
+    assert run.capture(arms, _arm("x", 0.5), "tax") is None  # ref no better: nothing to capture
+    arms[run.ORACLE] = ref
+    # floor: tax (0.5 - 0.3125) / (0.5 - 0.125) = 0.5; its P99 equals builtin's: n/a
+    floor = _arm("no pressure", 0.125, p95=5.0, p99=20.0)
+    assert run._captures(arms, floor) == (
+        "oracle-gap capture tax 0.75; recovered tax 0.50; "
+        "oracle-gap capture P99 TTFT 0.50; recovered P99 TTFT n/a")
