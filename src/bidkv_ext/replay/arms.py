@@ -54,6 +54,8 @@ __all__ = [
     "arm_additional_config",
     "arm_config",
     "check_arms",
+    "error_line",
+    "first_validation_error",
     "named_arm",
     "parse_arms",
 ]
@@ -291,18 +293,25 @@ def _not_a_policy(obj: object) -> str:
     return ""
 
 
-def error_line(exc: BaseException) -> str:
-    """``Type: message`` on one line; of a pydantic ValidationError, its first error only
-    (its text spans several lines and ends in a documentation URL)."""
+def first_validation_error(exc: BaseException) -> tuple[str, str] | None:
+    """``(where, message)`` of a pydantic ValidationError's first error (its own text spans
+    several lines and ends in a documentation URL); None for any other exception."""
     errors = getattr(exc, "errors", None)
-    if callable(errors):
-        try:
-            first = errors(include_url=False)[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            message = str(first["msg"])
-            return f"{type(exc).__name__}: {where + ': ' if where else ''}{message}"
-        except (TypeError, IndexError, KeyError):
-            pass
+    if not callable(errors):
+        return None
+    try:
+        first = errors(include_url=False)[0]
+        return ".".join(str(part) for part in first.get("loc", ())), str(first["msg"])
+    except (TypeError, IndexError, KeyError):
+        return None
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; of a pydantic ValidationError, its first error only."""
+    first = first_validation_error(exc)
+    if first is not None:
+        where, message = first
+        return f"{type(exc).__name__}: {where + ': ' if where else ''}{message}"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

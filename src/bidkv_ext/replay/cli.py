@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from bidkv_ext.replay import jsontext
-from bidkv_ext.replay.arms import Arm, ArmError, check_arms, parse_arms
+from bidkv_ext.replay.arms import (
+    Arm,
+    ArmError,
+    check_arms,
+    first_validation_error,
+    parse_arms,
+)
 from bidkv_ext.replay.capacity import (
     DEFAULT_BLOCKS_PER_PAGE,
     CapacitySchedule,
@@ -249,15 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(exc: ValueError) -> str:
     """A pydantic ValidationError prints several lines; keep its first error's message."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        try:
-            first = errors(include_url=False)[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            message = str(first["msg"]).removeprefix("Value error, ")
-            return f"{where}: {message}" if where else message
-        except (TypeError, IndexError, KeyError):
-            pass
+    first = first_validation_error(exc)
+    if first is not None:
+        where, message = first[0], first[1].removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
     return " ".join(str(exc).split())
 
 
