@@ -95,6 +95,8 @@ def build_vllm_config(
 
     ``num_gpu_blocks`` includes vLLM's reserved null block, so ``num_gpu_blocks - 1`` blocks
     are usable. ``policy`` is vLLM's scheduling policy (``"fcfs"`` or ``"priority"``).
+    ``async_scheduling`` holds in the result even on CPU, so :func:`build_scheduler` builds
+    the async variant (``PolicyAsyncScheduler``) when it is set.
     """
     if num_gpu_blocks < 2:
         raise ValueError(
@@ -144,6 +146,10 @@ def build_vllm_config(
         ],
     )
     cache_config.num_gpu_blocks = num_gpu_blocks
+    # vLLM's CPU platform switches async scheduling off while the config is built (no CPU
+    # model runner overlaps steps). Offline there is no runner, and the flag only picks the
+    # scheduler variant a GPU host would run, so the requested value is put back.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
     return vllm_config, kv_cache_config
 
