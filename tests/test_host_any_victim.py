@@ -87,10 +87,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
+from tests.property_settings import REAL_SCHEDULER
 from tests.test_host_spec_decode import _spec_scheduler
 
 BLOCK = 4  # tokens per KV block: small, so decodes cross block boundaries often
@@ -105,12 +106,6 @@ MAX_SCRIPT = 64
 PRESSURE = 4  # pool: at most the largest request or 1/PRESSURE of the total KV demand
 MAX_SPEC = 3  # speculative tokens per step
 PADDING = -1  # vLLM's draft placeholder (padding, or async drafts filled in by the worker)
-SETTINGS = settings(
-    deadline=None,
-    derandomize=True,  # the same examples on every run, so CI is deterministic
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 @dataclass(frozen=True)
@@ -798,7 +793,7 @@ def test_any_valid_victim_keeps_the_real_scheduler_consistent(vllm_offline: Modu
     runs: list[Outcome] = []  # every run (all are checked)
     pressured: list[tuple[Workload, Outcome]] = []  # the runs that preempted
 
-    @settings(SETTINGS, max_examples=50)
+    @settings(REAL_SCHEDULER, max_examples=50)
     @given(workload=workloads(), script=scripts(), host_facts=st.booleans())
     def any_victim(workload: Workload, script: list[int], host_facts: bool) -> None:
         outcome = run_workload(vllm_offline, workload, script, host_facts=host_facts)
@@ -829,7 +824,7 @@ def test_any_valid_victim_with_speculative_decoding(vllm_offline: ModuleType) ->
     runs: list[Outcome] = []
     pressured: list[tuple[SpecDecoding, Workload, Outcome]] = []
 
-    @settings(SETTINGS, max_examples=80)
+    @settings(REAL_SCHEDULER, max_examples=80)
     @given(case=spec_workloads(), script=scripts(), host_facts=st.booleans())
     def any_victim_with_drafts(
         case: tuple[SpecDecoding, Workload], script: list[int], host_facts: bool

@@ -73,10 +73,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import HAVE_VLLM
+from tests.property_settings import REAL_SCHEDULER
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (real-scheduler tier)")
 
@@ -98,12 +99,6 @@ MIN_EXAMPLES = 3  # pressured examples each setting and situation must occur in
 # Reached by few random draws; the explicit examples BEHIND and SEVERAL have them.
 RARE = ("preempted again before regaining the mark", "several victims in a step")
 TOLERANCE = 1e-9  # simulated seconds: float sums of step times
-SETTINGS = settings(
-    deadline=None,
-    derandomize=True,  # the same examples on every run, so CI is deterministic
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 @dataclass(frozen=True)
@@ -502,7 +497,7 @@ def test_replay_figures_hold_for_any_trace_settings_and_arm() -> None:
     drawn: list[Case] = []  # every example (all are checked)
     seen: list[Seen] = []  # the examples that preempted
 
-    @settings(SETTINGS, max_examples=EXAMPLES)
+    @settings(REAL_SCHEDULER, max_examples=EXAMPLES)
     @example(case=BEHIND)
     @example(case=SEVERAL)
     @given(case=cases())
