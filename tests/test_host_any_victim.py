@@ -92,7 +92,11 @@ from hypothesis import strategies as st
 
 from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
 from tests.property_settings import REAL_SCHEDULER
-from tests.test_host_spec_decode import _spec_scheduler
+from tests.test_host_spec_decode import (
+    propose,
+    runner_output_with_drafts,
+    spec_scheduler,
+)
 
 BLOCK = 4  # tokens per KV block: small, so decodes cross block boundaries often
 MAX_MODEL_LEN = 160
@@ -558,44 +562,32 @@ def _runner_output_with_drafts(
     Synchronously, ``-1`` drafts are vLLM's padding and never match a sampled token; under
     async scheduling every draft is a ``-1`` placeholder for one the worker proposed.
     """
-    from vllm.v1.outputs import ModelRunnerOutput
+    totals = [0, 0]  # accepted, rejected
 
-    req_ids = list(out.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    accepted_total = rejected_total = 0
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        if request.num_computed_tokens < request.num_tokens:
-            sampled.append([])  # a non-final prefill chunk samples nothing
-            continue
-        drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+    def accept(_req_id: str, _request: Any, drafts: list[int]) -> int:
         acceptable = len(drafts)
         if not is_async and PADDING in drafts:
             acceptable = drafts.index(PADDING)
         accepted = rng.randint(0, acceptable)
-        accepted_total += accepted
-        rejected_total += len(drafts) - accepted
-        sampled.append([offline.FAKE_TOKEN_ID] * (1 + accepted))
-    output = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
-    return output, accepted_total, rejected_total
+        totals[0] += accepted
+        totals[1] += len(drafts) - accepted
+        return accepted
+
+    output = runner_output_with_drafts(offline, out, scheduler, accept)
+    return output, totals[0], totals[1]
 
 
-def _propose(scheduler: Any, out: Any, decoding: SpecDecoding, rng: random.Random) -> None:
+def _propose_random(
+    scheduler: Any, out: Any, decoding: SpecDecoding, rng: random.Random
+) -> None:
     """Random drafts for the requests of the batch, as a model runner's drafter hands them
     over after the step (vLLM drops those of finished requests and prefill chunks)."""
-    from vllm.v1.outputs import DraftTokenIds
-
     k = decoding.num_speculative_tokens
-    req_ids = list(out.num_scheduled_tokens)
-    drafts: list[list[int]] = []
-    for _ in req_ids:
+    drafts: dict[str, list[int]] = {}
+    for req_id in out.num_scheduled_tokens:
         count = k if decoding.method == "draft_model" else rng.randint(0, k)  # n-gram: a match
-        drafts.append([rng.randrange(10, 30_000) for _ in range(count)])
-    scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+        drafts[req_id] = [rng.randrange(10, 30_000) for _ in range(count)]
+    propose(scheduler, drafts)
 
 
 def run_workload(
@@ -631,7 +623,7 @@ def run_workload(
         )
         scheduler = offline.build_scheduler(vllm_config, kv_cache_config, preemption_policy=policy)
     else:
-        scheduler = _spec_scheduler(
+        scheduler = spec_scheduler(
             offline,
             method=decoding.method,
             num_speculative_tokens=decoding.num_speculative_tokens,
@@ -730,7 +722,7 @@ def run_workload(
                 )
                 assert request.num_output_placeholders == 0
             if not workload.async_scheduling:
-                _propose(scheduler, out, decoding, rng)
+                _propose_random(scheduler, out, decoding, rng)
         step += 1
 
     assert not policy.bad_contexts, policy.bad_contexts[:3]

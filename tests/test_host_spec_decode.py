@@ -31,6 +31,7 @@ own ``MultiModalBudget`` sets the encoder budget.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -47,7 +48,7 @@ SHARED = list(range(100, 132))  # two full blocks shared by requests "0" and "1"
 # --- construction -----------------------------------------------------------------------
 
 
-def _spec_scheduler(
+def spec_scheduler(
     offline: ModuleType,
     *,
     method: str,
@@ -90,7 +91,7 @@ def _spec_scheduler(
     )
 
 
-def _propose(scheduler: Any, drafts: dict[str, list[int]]) -> None:
+def propose(scheduler: Any, drafts: dict[str, list[int]]) -> None:
     """Hand draft tokens to the scheduler as a model runner's drafter does."""
     from vllm.v1.outputs import DraftTokenIds
 
@@ -124,7 +125,7 @@ def _pressured_spec(
     ``32 + own_tokens`` unshared ones. In the next step "0" takes the last free block and
     "1" then fails to allocate, with "0" already scheduled.
     """
-    scheduler = _spec_scheduler(
+    scheduler = spec_scheduler(
         offline,
         method=method,
         num_speculative_tokens=k,
@@ -141,7 +142,7 @@ def _pressured_spec(
     first = _step(offline, scheduler)
     assert list(first.num_scheduled_tokens) == ["0", "1", "2"]
     assert offline.free_blocks(scheduler) == 1
-    _propose(scheduler, {rid: [(int(rid) + 1) * 10 + j + 1 for j in range(k)] for rid in "012"})
+    propose(scheduler, {rid: [(int(rid) + 1) * 10 + j + 1 for j in range(k)] for rid in "012"})
     return scheduler
 
 
@@ -255,9 +256,19 @@ def test_needed_blocks_counts_the_drafter_lookahead(vllm_offline: ModuleType) ->
 NUM_SPEC = 3
 
 
-def _runner_output_with_drafts(offline: ModuleType, out: Any, scheduler: Any) -> Any:
-    """One sampled token per completed position plus a deterministic number of accepted
-    drafts (varying by request and length), so rejections roll positions back too."""
+def _deterministic_acceptance(req_id: str, request: Any, drafts: list[int]) -> int:
+    # Varies by request and length, so rejections roll positions back too.
+    return (int(req_id[1:]) + request.num_output_tokens) % (len(drafts) + 1)
+
+
+def runner_output_with_drafts(
+    offline: ModuleType,
+    out: Any,
+    scheduler: Any,
+    accept: Callable[[str, Any, list[int]], int] = _deterministic_acceptance,
+) -> Any:
+    """One sampled token per completed position plus ``accept(req_id, request, drafts)``
+    of the request's scheduled drafts (by default a deterministic number)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(out.num_scheduled_tokens)
@@ -268,7 +279,7 @@ def _runner_output_with_drafts(offline: ModuleType, out: Any, scheduler: Any) ->
             sampled.append([])  # a non-final prefill chunk samples nothing
             continue
         drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
-        accepted = (int(req_id[1:]) + request.num_output_tokens) % (len(drafts) + 1)
+        accepted = accept(req_id, request, drafts)
         sampled.append([offline.FAKE_TOKEN_ID] * (1 + accepted))
     return ModelRunnerOutput(
         req_ids=req_ids,
@@ -297,8 +308,8 @@ def _drive_with_drafts(
         out = scheduler.schedule()
         drafts = tuple(sorted((k, tuple(v)) for k, v in out.scheduled_spec_decode_tokens.items()))
         steps.append((offline.schedule_digest(out), drafts, offline.free_blocks(scheduler)))
-        scheduler.update_from_output(out, _runner_output_with_drafts(offline, out, scheduler))
-        _propose(
+        scheduler.update_from_output(out, runner_output_with_drafts(offline, out, scheduler))
+        propose(
             scheduler, {r.request_id: [offline.FAKE_TOKEN_ID] * NUM_SPEC for r in scheduler.running}
         )
         assert len(steps) < 20_000, "workload did not finish"
@@ -332,7 +343,7 @@ def test_priority_spec_decode_run_matches_stock(vllm_offline: ModuleType, method
     workload = seeded_workload(1234, 240)
 
     def run(cls: type | None, policy: object) -> tuple[list[object], int]:
-        scheduler = _spec_scheduler(
+        scheduler = spec_scheduler(
             vllm_offline,
             method=method,
             num_speculative_tokens=NUM_SPEC,
