@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import HAVE_VLLM
+from tests.replay_log import Step, logged_steps
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (real-scheduler tier)")
 
@@ -39,34 +40,17 @@ Log = list[tuple[set[str], dict[str, tuple[int, int]]]]
 
 
 def _logged_run(
-    monkeypatch: pytest.MonkeyPatch, requests: tuple[Any, ...], policy: str, settings: Any,
-    step_model: Any,
+    requests: tuple[Any, ...], policy: str, settings: Any, step_model: Any
 ) -> tuple[Any, dict[str, Any], Log]:
     """Run one arm, logging what the real scheduler decided at every step."""
-    from bidkv_ext.hosts.vllm import offline
     from bidkv_ext.replay.arms import named_arm
     from bidkv_ext.replay.engine import run_arm
     from bidkv_ext.replay.metrics import arm_metrics
 
-    log: Log = []
-    build = offline.build_scheduler
-
-    def logging_build(*args: Any, **kwargs: Any) -> Any:
-        scheduler = build(*args, **kwargs)
-        schedule = scheduler.schedule
-
-        def logged() -> Any:
-            out = schedule()
-            log.append((set(out.preempted_req_ids),
-                        {rid: (k, scheduler.requests[rid].num_computed_tokens)
-                         for rid, k in out.num_scheduled_tokens.items()}))
-            return out
-
-        scheduler.schedule = logged
-        return scheduler
-
-    monkeypatch.setattr(offline, "build_scheduler", logging_build)
-    run = run_arm(requests, named_arm(policy, 0), settings, step_model)
+    steps: list[Step] = []
+    with logged_steps(steps):
+        run = run_arm(requests, named_arm(policy, 0), settings, step_model)
+    log: Log = [(set(step.preempted), step.scheduled) for step in steps]
     return run, arm_metrics(run), log
 
 
@@ -78,9 +62,7 @@ FOUR = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
     f"{ROW},16,{out}\n" for out in (20, 10, 40, 20))
 
 
-def test_hand_traced_preemptions_give_exact_metrics(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_hand_traced_preemptions_give_exact_metrics(tmp_path: Path) -> None:
     """Exact recompute tax, preemptions per 1k, victims per pressure step, largest
     preemption count of one request, mean steps to return and goodput on a 4-request
     case traced by hand (builtin LIFO victims, no prefix caching)."""
@@ -93,7 +75,7 @@ def test_hand_traced_preemptions_give_exact_metrics(
     # 40 ms per step plus 1 ms per prefill token; decode costs nothing extra.
     model = StepTimeModel("hand", a=0.04, b=0.001, c=0.0, d=0.0)
     settings = ReplaySettings(num_gpu_blocks=6, enable_prefix_caching=False)
-    run, m, log = _logged_run(monkeypatch, tuple(load_trace(trace)), "builtin", settings, model)
+    run, m, log = _logged_run(tuple(load_trace(trace)), "builtin", settings, model)
 
     # Step 1 prefills all four (4 blocks). Step 2: each needs a second block and one is
     # free: 0 takes it, 1 preempts the last running request (3) and takes its block, and 2,
@@ -219,7 +201,7 @@ def test_latency_edge_cases_on_hand_built_runs() -> None:
 # -- the bundled sample under pressure, against the scheduler's own log ------------------
 
 
-def test_sample_metrics_match_the_scheduler_log(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sample_metrics_match_the_scheduler_log() -> None:
     """On 60 sample requests at 300 blocks (prefix caching on), preemptions, victims per
     pressure step, steps to return, largest per-request preemption count, computed and
     recomputed tokens and the recompute tax equal what the scheduler's own step log gives;
@@ -231,7 +213,7 @@ def test_sample_metrics_match_the_scheduler_log(monkeypatch: pytest.MonkeyPatch)
     from bidkv_ext.replay.trace import load_trace
 
     requests = tuple(load_trace(SAMPLE_TRACE)[:60])
-    run, m, log = _logged_run(monkeypatch, requests, "builtin", ReplaySettings(num_gpu_blocks=300),
+    run, m, log = _logged_run(requests, "builtin", ReplaySettings(num_gpu_blocks=300),
                               load_step_model("llama-3.1-8b-h100"))
     assert len(log) == m["steps"]
 

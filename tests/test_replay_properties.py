@@ -67,8 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +77,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import HAVE_VLLM
 from tests.property_settings import REAL_SCHEDULER
+from tests.replay_log import Step, logged_steps
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (real-scheduler tier)")
 
@@ -173,69 +173,9 @@ def cases(draw: st.DrawFn) -> Case:
     )
 
 
-# -- the scheduler's own log --------------------------------------------------------------
-
-
-@dataclass
-class Step:
-    """One ``schedule()`` call and the ``update_from_output()`` that followed it."""
-
-    start: float  # the scheduler's clock in schedule()
-    preempted: frozenset[str]
-    scheduled: dict[str, tuple[int, int]]  # id -> (tokens, num_computed_tokens after)
-    total: int  # total_num_scheduled_tokens
-    end: float = math.nan  # the scheduler's clock in update_from_output()
-    emitted: Counter[str] = field(default_factory=Counter)  # new output tokens per id
-    finished: list[str] = field(default_factory=list)
-
-
-@contextmanager
-def _logged(log: list[Step]) -> Iterator[None]:
-    """Log every step of the schedulers the engine builds while the context is open."""
-    from vllm.v1.core.sched import scheduler as sched_module
-
-    from bidkv_ext.hosts.vllm import offline
-
-    build = offline.build_scheduler
-
-    def logging_build(*args: Any, **kwargs: Any) -> Any:
-        scheduler = build(*args, **kwargs)
-        schedule, update = scheduler.schedule, scheduler.update_from_output
-
-        def logged_schedule() -> Any:
-            out = schedule()
-            log.append(Step(
-                start=sched_module.time.monotonic(),
-                preempted=frozenset(out.preempted_req_ids),
-                scheduled={rid: (k, scheduler.requests[rid].num_computed_tokens)
-                           for rid, k in out.num_scheduled_tokens.items()},
-                total=out.total_num_scheduled_tokens,
-            ))
-            return out
-
-        def logged_update(out: Any, runner_output: Any) -> Any:
-            result = update(out, runner_output)
-            step = log[-1]
-            step.end = sched_module.time.monotonic()
-            for engine_outputs in result.values():
-                for output in engine_outputs.outputs:
-                    step.emitted[output.request_id] += len(output.new_token_ids)
-                    if output.finish_reason is not None:
-                        step.finished.append(output.request_id)
-            return result
-
-        scheduler.schedule = logged_schedule  # instance attributes: the class is intact
-        scheduler.update_from_output = logged_update
-        return scheduler
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(offline, "build_scheduler", logging_build)
-        yield
-
-
 def _replay(case: Case, arm: str, replay_settings: ReplaySettings) -> tuple[ArmRun, list[Step]]:
     log: list[Step] = []
-    with _logged(log):
+    with logged_steps(log):
         run = run_arm(case.requests, named_arm(arm, case.seed), replay_settings, case.model)
     return run, log
 
