@@ -28,6 +28,8 @@ Guarded behaviour:
 - ``blocks_per_page`` below 1 is refused, and a CSV header may have blanks around names.
 - a stuck replay jumps to the earlier of the next capacity change and the next arrival,
   with schedule times counted from a first arrival that is not 0;
+- steps that preempt but schedule nothing (a shrink pending, a policy that preempts the
+  requester) are not a stuck replay: the clock does not jump while ``running`` can go on;
 - the CLI reports the schedule, the per-arm summary and whether signals were published
   (``--no-capacity-signals``) in report.json and report.md, and prints the capacity table.
 No kvcached is involved: the elastic pool is the replay's own simulation over vLLM's pool.
@@ -613,3 +615,38 @@ def test_a_stuck_replay_jumps_to_the_earlier_of_growth_and_arrival() -> None:
                   StepTimeModel("unit", a=1.0, b=0.0, c=0.0, d=0.0))
     assert [(o.first_token, o.finish) for o in run.outcomes] == [(106.0, 107.0),
                                                                  (111.0, 111.0)]
+
+
+class _RequesterVictim:
+    """A user policy (``--policy-class``) that always preempts the requesting request."""
+
+    def select_victim(self, context: Any) -> str:
+        return str(context.requesting_request_id)
+
+
+@needs_vllm
+def test_steps_that_only_preempt_do_not_jump_the_clock() -> None:
+    """A step that preempts but schedules nothing is not a stuck scheduler: the freed blocks
+    (or, while a shrink is pending, the blocks the reserve no longer needs) may let the
+    next step run what is still in ``running``. Here a shrink to 40 blocks at t=13.5 finds
+    all 67 in use; the policy preempts the requester each time, so steps 15 and 16 at t=14
+    each preempt one decoding request and schedule nothing, and step 17 runs request 2 at
+    once. The engine used to count both as idle and jump to the growth at t=100, so every
+    request finished about 85 s late."""
+    from bidkv_ext.replay.arms import Arm
+    from bidkv_ext.replay.engine import ReplaySettings, run_arm
+    from bidkv_ext.replay.steptime import StepTimeModel
+    from bidkv_ext.replay.trace import TraceRequest
+
+    requests = (TraceRequest(0, 0.0, 1, 15), TraceRequest(1, 0.0, 1, 15),
+                TraceRequest(2, 0.0, 31, 10))
+    settings = ReplaySettings(
+        num_gpu_blocks=68, block_size=1, max_num_seqs=4, max_num_batched_tokens=8,
+        enable_prefix_caching=False, blocks_per_page=1,
+        capacity_schedule=_schedule(
+            [{"t": 0, "blocks": 67}, {"t": 13.5, "blocks": 40}, {"t": 100, "blocks": 67}], 67))
+    arm = Arm("requester", "class", lambda _lengths: _RequesterVictim)
+    run = run_arm(requests, arm, settings, StepTimeModel("unit", a=1.0, b=0.0, c=0.0, d=0.0))
+    assert [o.preemptions for o in run.outcomes] == [1, 1, 0]
+    assert [(o.first_token, o.finish) for o in run.outcomes] == [(1.0, 19.0), (1.0, 17.0),
+                                                                 (6.0, 15.0)]

@@ -486,7 +486,10 @@ class _Loop:
             scheduled = out.num_scheduled_tokens
             if not scheduled:
                 scheduler.update_from_output(out, runner_output_cls(req_ids=[], req_id_to_index={}))
-                idle_steps += 1
+                # A step that preempted freed blocks and skipped admission, so the next step
+                # may run what is left in `running`: only steps that changed nothing show
+                # the scheduler waits for the next event.
+                idle_steps = 0 if preempted else idle_steps + 1
                 if idle_steps >= 2:
                     now = self._next_event(now, arrived)
                     idle_steps = 0
