@@ -1,7 +1,8 @@
 """The real scheduler's own decisions, logged step by step while the replay engine runs.
 
 Shared by the replay tests that check the engine's figures against what the scheduler
-decided (tests/test_replay_accounting.py, tests/test_replay_properties.py).
+decided (tests/test_replay_accounting.py, tests/test_replay_properties.py). With a capacity
+schedule, each step also records the elastic pool's state right after ``schedule()``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from typing import Any
 import pytest
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """The elastic pool right after ``schedule()`` (``ElasticPool.after_schedule``)."""
+
+    target: int  # capacity the schedule asks for now
+    effective: int  # usable blocks minus the reserve
+    used: int  # blocks requests hold
+    in_shrink: bool  # the reserve still lacks blocks to reach the target
+
+
 @dataclass
 class Step:
     """One ``schedule()`` call and the ``update_from_output()`` that followed it."""
@@ -27,14 +38,20 @@ class Step:
     end: float = math.nan  # the scheduler's clock in update_from_output()
     emitted: Counter[str] = field(default_factory=Counter)  # new output tokens per id
     finished: list[str] = field(default_factory=list)
+    capacity: Capacity | None = None  # None without a capacity schedule
 
 
 @contextmanager
-def logged_steps(log: list[Step]) -> Iterator[None]:
-    """Log every step of the schedulers the engine builds while the context is open."""
+def logged_steps(log: list[Step], max_steps: int | None = None) -> Iterator[None]:
+    """Log every step of the schedulers the engine builds while the context is open.
+
+    With ``max_steps``, a replay that would log more steps fails (AssertionError) instead
+    of looping: the engine has no step limit of its own.
+    """
     from vllm.v1.core.sched import scheduler as sched_module
 
     from bidkv_ext.hosts.vllm import offline
+    from bidkv_ext.replay.capacity import ElasticPool
 
     build = offline.build_scheduler
 
@@ -43,6 +60,9 @@ def logged_steps(log: list[Step]) -> Iterator[None]:
         schedule, update = scheduler.schedule, scheduler.update_from_output
 
         def logged_schedule() -> Any:
+            assert max_steps is None or len(log) < max_steps, (
+                f"more than {max_steps} scheduler steps: the replay does not end "
+                f"(the last at t={log[-1].start}, preempting {sorted(log[-1].preempted)})")
             out = schedule()
             log.append(Step(
                 start=sched_module.time.monotonic(),
@@ -68,6 +88,14 @@ def logged_steps(log: list[Step]) -> Iterator[None]:
         scheduler.update_from_output = logged_update
         return scheduler
 
+    after_schedule = ElasticPool.after_schedule
+
+    def logged_after_schedule(pool: ElasticPool) -> None:
+        # The engine calls it right after schedule(), so the step is the last one logged.
+        log[-1].capacity = Capacity(pool.target, pool.effective, pool.used(), pool.in_shrink)
+        after_schedule(pool)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(offline, "build_scheduler", logging_build)
+        patch.setattr(ElasticPool, "after_schedule", logged_after_schedule)
         yield

@@ -30,6 +30,8 @@ Guarded behaviour:
   with schedule times counted from a first arrival that is not 0;
 - steps that preempt but schedule nothing (a shrink pending, a policy that preempts the
   requester) are not a stuck replay: the clock does not jump while ``running`` can go on;
+- a capacity change applies at the clock value the engine jumps to, whatever the float
+  rounding of ``origin + t`` (the replay used to loop forever there);
 - the CLI reports the schedule, the per-arm summary and whether signals were published
   (``--no-capacity-signals``) in report.json and report.md, and prints the capacity table.
 No kvcached is involved: the elastic pool is the replay's own simulation over vLLM's pool.
@@ -650,3 +652,28 @@ def test_steps_that_only_preempt_do_not_jump_the_clock() -> None:
     assert [o.preemptions for o in run.outcomes] == [1, 1, 0]
     assert [(o.first_token, o.finish) for o in run.outcomes] == [(1.0, 19.0), (1.0, 17.0),
                                                                  (6.0, 15.0)]
+
+
+@needs_vllm
+def test_a_change_time_is_reached_whatever_its_float_rounding() -> None:
+    """The engine jumps the clock to a capacity change at ``origin + t``; the pool must
+    apply the change at exactly that clock value. With a first arrival at 1.25 and a change
+    at t=0.015, turning the clock back into schedule time gives 1.265 - 1.25 =
+    0.014999999999999902 < 0.015: the pool used to miss the growth, the engine jumped to the
+    same time again, and the replay never ended. Here the growth lets request 0 start at
+    1.265 (step limit: a regression fails instead of hanging)."""
+    from bidkv_ext.replay.arms import named_arm
+    from bidkv_ext.replay.engine import ReplaySettings, run_arm
+    from bidkv_ext.replay.steptime import StepTimeModel
+    from bidkv_ext.replay.trace import TraceRequest
+    from tests.replay_log import logged_steps
+
+    assert 1.25 + 0.015 - 1.25 < 0.015  # the rounding this case depends on
+    requests = (TraceRequest(0, 1.25, 20, 2),)  # 2 blocks; 1 usable until the growth
+    settings = ReplaySettings(
+        num_gpu_blocks=4, enable_prefix_caching=False, blocks_per_page=1,
+        capacity_schedule=_schedule([{"t": 0, "blocks": 1}, {"t": 0.015, "blocks": 3}], 3))
+    with logged_steps([], max_steps=100):
+        run = run_arm(requests, named_arm("builtin", 0), settings,
+                      StepTimeModel("unit", a=1.0, b=0.0, c=0.0, d=0.0))
+    assert [(o.first_token, o.finish) for o in run.outcomes] == [(1.265 + 1.0, 1.265 + 2.0)]

@@ -223,6 +223,10 @@ class ElasticPool:
         self.pool = block_pool
         self.schedule = schedule
         self.origin = origin
+        # The change times on the replay clock, computed once. The engine jumps the clock to
+        # exactly these values; turning the clock back into schedule time (now - origin) can
+        # land just below a change (1.25 + 0.015 - 1.25 < 0.015), which then never applies.
+        self._change_times = tuple(origin + point.t for point in schedule.points)
         self.usable: int = block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         self.model = PageModel(blocks_per_page, block_pool.num_gpu_blocks)
         self.num_pages = -(-block_pool.num_gpu_blocks // blocks_per_page)
@@ -269,7 +273,8 @@ class ElasticPool:
         if self.in_shrink:
             self.time_in_shrink += max(0.0, t - self._last_t)
         self._last_t = t
-        target = self.schedule.target_at(t, self.usable)
+        i = bisect.bisect_right(self._change_times, now)
+        target = self.usable if i == 0 else self.schedule.points[i - 1].blocks
         if target != self.target:
             self._set_target(target, t)
         elif self.in_shrink:
@@ -291,8 +296,8 @@ class ElasticPool:
 
     def next_change_after(self, now: float) -> float | None:
         """Simulated time (replay clock) of the next schedule change after ``now``."""
-        t = self.schedule.next_change_after(now - self.origin)
-        return None if t is None else t + self.origin
+        i = bisect.bisect_right(self._change_times, now)
+        return self._change_times[i] if i < len(self._change_times) else None
 
     def _set_target(self, target: int, t: float) -> None:
         if target < self.target:
