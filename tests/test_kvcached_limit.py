@@ -230,11 +230,19 @@ def test_corrupt_state_is_refused_and_kept(dirs: tuple[Path, Path],
     assert bad.read_text() == '{"schema_version": 7}'
 
 
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored and children inherit it, so a suite
+    # run in the background would send Ctrl-C to a command that ignores it. The command
+    # must meet Ctrl-C as it does in a terminal: SIGINT at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(env_update: dict[str, str], *argv: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
     env.update(env_update)
     return subprocess.Popen([sys.executable, "-m", "kvcached_provider", "limit", *argv],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
 
 
 def test_engine_responder_answers_another_process(
