@@ -103,6 +103,11 @@ class CapacitySchedule:
         i = bisect.bisect_right(self._times, t)
         return self._times[i] if i < len(self._times) else None
 
+    def on_clock(self, origin: float) -> CapacitySchedule:
+        """The same schedule with its times on a clock that reads ``origin`` at t = 0."""
+        points = tuple(CapacityPoint(origin + p.t, p.blocks) for p in self.points)
+        return CapacitySchedule(points, self.source)
+
     def as_list(self) -> list[dict[str, float | int]]:
         return [{"t": p.t, "blocks": p.blocks} for p in self.points]
 
@@ -223,10 +228,10 @@ class ElasticPool:
         self.pool = block_pool
         self.schedule = schedule
         self.origin = origin
-        # The change times on the replay clock, computed once. The engine jumps the clock to
-        # exactly these values; turning the clock back into schedule time (now - origin) can
-        # land just below a change (1.25 + 0.015 - 1.25 < 0.015), which then never applies.
-        self._change_times = tuple(origin + point.t for point in schedule.points)
+        # The schedule on the replay clock, computed once. The engine jumps the clock to
+        # exactly its change times; turning the clock back into schedule time (now - origin)
+        # can land just below a change (1.25 + 0.015 - 1.25 < 0.015), which never applies.
+        self._on_clock = schedule.on_clock(origin)
         self.usable: int = block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         self.model = PageModel(blocks_per_page, block_pool.num_gpu_blocks)
         self.num_pages = -(-block_pool.num_gpu_blocks // blocks_per_page)
@@ -273,8 +278,7 @@ class ElasticPool:
         if self.in_shrink:
             self.time_in_shrink += max(0.0, t - self._last_t)
         self._last_t = t
-        i = bisect.bisect_right(self._change_times, now)
-        target = self.usable if i == 0 else self.schedule.points[i - 1].blocks
+        target = self._on_clock.target_at(now, self.usable)
         if target != self.target:
             self._set_target(target, t)
         elif self.in_shrink:
@@ -296,8 +300,7 @@ class ElasticPool:
 
     def next_change_after(self, now: float) -> float | None:
         """Simulated time (replay clock) of the next schedule change after ``now``."""
-        i = bisect.bisect_right(self._change_times, now)
-        return self._change_times[i] if i < len(self._change_times) else None
+        return self._on_clock.next_change_after(now)
 
     def _set_target(self, target: int, t: float) -> None:
         if target < self.target:
