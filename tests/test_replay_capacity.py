@@ -619,13 +619,6 @@ def test_a_stuck_replay_jumps_to_the_earlier_of_growth_and_arrival() -> None:
                                                                  (111.0, 111.0)]
 
 
-class _RequesterVictim:
-    """A user policy (``--policy-class``) that always preempts the requesting request."""
-
-    def select_victim(self, context: Any) -> str:
-        return str(context.requesting_request_id)
-
-
 @needs_vllm
 def test_steps_that_only_preempt_do_not_jump_the_clock() -> None:
     """A step that preempts but schedules nothing is not a stuck scheduler: the freed blocks
@@ -639,6 +632,7 @@ def test_steps_that_only_preempt_do_not_jump_the_clock() -> None:
     from bidkv_ext.replay.engine import ReplaySettings, run_arm
     from bidkv_ext.replay.steptime import StepTimeModel
     from bidkv_ext.replay.trace import TraceRequest
+    from tests.test_replay_properties import RequesterPolicy
 
     requests = (TraceRequest(0, 0.0, 1, 15), TraceRequest(1, 0.0, 1, 15),
                 TraceRequest(2, 0.0, 31, 10))
@@ -647,7 +641,7 @@ def test_steps_that_only_preempt_do_not_jump_the_clock() -> None:
         enable_prefix_caching=False, blocks_per_page=1,
         capacity_schedule=_schedule(
             [{"t": 0, "blocks": 67}, {"t": 13.5, "blocks": 40}, {"t": 100, "blocks": 67}], 67))
-    arm = Arm("requester", "class", lambda _lengths: _RequesterVictim)
+    arm = Arm("requester", "class", lambda _lengths: RequesterPolicy)
     run = run_arm(requests, arm, settings, StepTimeModel("unit", a=1.0, b=0.0, c=0.0, d=0.0))
     assert [o.preemptions for o in run.outcomes] == [1, 1, 0]
     assert [(o.first_token, o.finish) for o in run.outcomes] == [(1.0, 19.0), (1.0, 17.0),
