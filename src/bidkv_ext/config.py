@@ -13,6 +13,7 @@ the host's loader lets it propagate and engine start-up fails with that message.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -137,7 +138,9 @@ class BidKVConfig(BaseModel):
                 if env not in known:
                     # A typo must not silently leave a default in force.
                     accepted = ", ".join(sorted(known))
-                    raise ConfigError(f"{env} is not a BidKV setting; accepted: {accepted}")
+                    # repr() only for a name with a line break or other unprintable text.
+                    shown = env if env.isprintable() else repr(env)
+                    raise ConfigError(f"{shown} is not a BidKV setting; accepted: {accepted}")
                 values[known[env]] = raw
                 origin[known[env]] = env
         _reference_keys(additional_config or {}, values, origin)
@@ -192,4 +195,16 @@ def _one_line(exc: ValidationError, values: Mapping[str, Any], origin: Mapping[s
         accepted = ", ".join(sorted(BidKVConfig.model_fields))
         return f"{source} is not a BidKV setting; accepted: {accepted}"
     message = str(error["msg"]).removeprefix("Value error, ")
-    return f"{source}={values.get(field)!r} is invalid: {message}"
+    return f"{source}={_shown(values.get(field))} is invalid: {message}"
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``; an integer too long for repr() (Python's int-digits limit, a
+    ValueError of its own that would replace this message) is described instead."""
+    try:
+        return repr(value)
+    except ValueError:
+        limit = sys.get_int_max_str_digits()
+        if isinstance(value, int):
+            return f"<an integer of more than {limit} digits>"
+        return f"<a value holding an integer of more than {limit} digits>"

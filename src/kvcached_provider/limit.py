@@ -393,7 +393,9 @@ class _RevisionStore:
             return _State.model_validate_json(text)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "document"
+            # Keys are the file's own text: repr() keeps one with a line break on one line.
+            where = ".".join(str(p) if str(p).isprintable() else repr(str(p))
+                             for p in first["loc"]) or "document"
             raise LimitError(
                 f"{self.path} is not a kvcached-provider state file (schema 1): {where}: "
                 f"{first['msg']}; move it away to start the revision counters afresh"

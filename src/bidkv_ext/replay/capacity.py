@@ -114,7 +114,7 @@ class CapacitySchedule:
 
 def _entry_error(source: str, index: int, exc: ValidationError) -> CapacityScheduleError:
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "entry"
+    where = jsontext.error_location(first["loc"], "entry")
     return CapacityScheduleError(
         f"{source}: entry {index}: {where}: {first['msg']} "
         '(expected {"t": seconds >= 0, "blocks": integer >= 1})'

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["JsonTextError", "loads"]
+__all__ = ["JsonTextError", "error_location", "loads"]
 
 
 class JsonTextError(ValueError):
@@ -51,3 +52,13 @@ def loads(text: str | bytes, **options: Any) -> Any:
         # The text is not shown: it holds those thousands of digits.
         raise JsonTextError(f"an integer has more than {sys.get_int_max_str_digits()} "
                             "digits", syntax=False) from None
+
+
+def error_location(loc: Iterable[object], empty: str) -> str:
+    """A pydantic error's location as ``key.key.0``, or ``empty`` for the document itself.
+
+    The keys are the input file's own text: one that is not printable (a line break, a
+    U+2028) is shown with ``repr()``, so the message that names it stays on one line.
+    """
+    parts = (str(part) for part in loc)
+    return ".".join(text if text.isprintable() else repr(text) for text in parts) or empty

@@ -46,6 +46,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from bidkv_ext.replay.jsontext import error_location
+
 __all__ = [
     "PRESETS",
     "StepTimeModel",
@@ -131,7 +133,7 @@ def load_step_model(spec: str) -> StepTimeModel:
         parsed = _ModelFile.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        where = error_location(first["loc"], "<root>")
         raise StepTimeModelError(
             f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d: finite numbers "
             ">= 0, source)"
