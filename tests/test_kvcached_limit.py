@@ -88,7 +88,7 @@ def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "1 2G"])
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "1 2G", "\u0663M", "\uff18G"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(LimitError, match="expected a number with an optional unit"):
         parse_size(text)

@@ -1,21 +1,21 @@
 """Trace input for ``bidkv-replay``: Azure CSV and Mooncake JSONL parsing, windows and rate
-scaling, Mooncake prefix sharing in the fake prompts, and bad rows or files reported as one
-line naming the file and line with exit code 2 (no traceback, no vLLM import needed).
+scaling, Mooncake prefix sharing in the fake prompts, and bad rows or files reported as
+one line naming the file and line with exit code 2 (no traceback, no vLLM import needed).
 
 Also guarded: the format follows the suffix in any case (``.json``/``.jsonl`` Mooncake,
 ``.csv`` Azure) or else the first byte; a trace without requests, an empty Azure file and
-a file that is not UTF-8 are trace errors; Azure columns
-are found by their (stripped) header names, rows with blank cells are skipped, a row with
-another column count, a timestamp without a fraction and unsorted rows are handled as
-documented; Mooncake rows must be sorted (equal timestamps are fine) objects with the
-three fields, a timestamp >= 0 and hash ids >= 0 (``true`` is no length or id), and a long
-bad value is shown cut. ``select_requests``: the window is [start, start + duration), the
-window's row count is taken before ``max_requests`` cuts it and the cut comes before the
-length filter (prompt + output == max_model_len fits), arrivals are rebased to the window
-start and divided by ``rate_scale`` (which must be > 0), and hash ids are kept. Fake
-token ids stay inside the bundled model's vocabulary and clear of its special ids, and the
-fake output token differs between requests (it is never EOS, which would end a request
-whose max_tokens is not exact).
+a file that is not UTF-8 are trace errors; Azure columns are found by their (stripped)
+header names, rows with blank cells are skipped, a row with another column count, a
+timestamp without a fraction and unsorted rows are handled as documented; Mooncake rows
+must be sorted (equal timestamps are fine) objects with the three fields, a timestamp >= 0
+and hash ids >= 0 (``true`` is no length or id), and a long bad value (a Mooncake field,
+an Azure TIMESTAMP) is shown cut. ``select_requests``: the window is [start, start +
+duration), the window's row count is taken before ``max_requests`` cuts it and the cut
+comes before the length filter (prompt + output == max_model_len fits), arrivals are
+rebased to the window start and divided by ``rate_scale`` (which must be > 0), and hash
+ids are kept. Fake token ids stay inside the bundled model's vocabulary and clear of its
+special ids, and the fake output token differs between requests (it is never EOS, which
+would end a request whose max_tokens is not exact).
 """
 
 from __future__ import annotations
@@ -240,6 +240,16 @@ def test_a_long_bad_value_is_shown_cut(tmp_path: Path) -> None:
         load_trace(path)
     message = str(info.value)
     assert message.startswith(f"{path}:1: input_length must be an integer >= 1, got 'xxx")
+    assert message.endswith("...") and len(message) < len(str(path)) + 150
+
+
+def test_a_long_bad_azure_timestamp_is_shown_cut(tmp_path: Path) -> None:
+    path = _write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                  + "9" * 5000 + ",10,2\n")
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: TIMESTAMP must look like 2023-11-16")
     assert message.endswith("...") and len(message) < len(str(path)) + 150
 
 

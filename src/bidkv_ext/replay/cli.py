@@ -306,7 +306,10 @@ def _run(args: argparse.Namespace) -> int:
     requests = tuple(r for r in selection.requests if _fits(r, usable, args.block_size))
     too_big = len(selection.requests) - len(requests)
     if not requests:
-        raise _UsageError(f"{trace_path}: no request left after the window and length filters")
+        raise _UsageError(
+            f"{trace_path}: no request left after the window (--start, --duration, "
+            "--max-requests) and the length filters (--max-model-len, and the KV capacity of "
+            "--num-gpu-blocks x --block-size); expected a window holding requests that fit")
     _check_arrivals(requests, args.rate_scale, trace_path)
 
     # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.

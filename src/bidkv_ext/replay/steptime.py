@@ -158,5 +158,7 @@ def check_step_bound(
     if not worst <= limit:  # not "worst > limit": that is False for NaN
         raise StepTimeModelError(
             f"step model {spec}: the longest step ({prefill_tokens} prefill tokens, "
-            f"{decode_requests} decode requests, {decode_context} context tokens) takes "
-            f"{worst:g} s; expected coefficients that keep a step below {limit:g} s")
+            f"{decode_requests} decode requests, {decode_context} context tokens: the limits "
+            "--max-num-batched-tokens, --max-num-seqs and --max-num-seqs x --max-model-len) "
+            f"takes {worst:g} s; expected coefficients and limits that keep a step below "
+            f"{limit:g} s")

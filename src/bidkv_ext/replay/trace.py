@@ -132,7 +132,8 @@ def _parse_azure_time(path: Path, line: int, raw: str) -> datetime:
         return datetime.strptime(text, _AZURE_TIME_FORMAT)
     except ValueError:
         raise TraceError(
-            f"{path}:{line}: TIMESTAMP must look like 2023-11-16 18:15:46.6805900, got {raw!r}"
+            f"{path}:{line}: TIMESTAMP must look like 2023-11-16 18:15:46.6805900, "
+            f"got {_shown(raw)}"
         ) from None
 
 
