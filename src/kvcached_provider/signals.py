@@ -262,10 +262,12 @@ def pages_released(block_ids: Iterable[int], group_id: int = 0) -> int | None:
     """Whole pages that freeing ``block_ids`` (of KV group ``group_id``) would empty.
 
     Pass the blocks a preemption would actually return to kvcached: the victim's blocks with
-    no other holder. (With prefix caching on, full cached blocks go to vLLM's evictable set
-    first, so they return memory only when evicted.) Block ids are kvcached's, which the
-    vLLM integration keeps equal to vLLM's ``KVCacheBlock.block_id``. ``None`` when kvcached
-    is not active here or the pool cannot report page occupancy.
+    no other holder. Every id must be live: kvcached reports only how many blocks of a page
+    are in use, not which, so a page counts as emptied when the number of ids passed on it
+    reaches its count, whoever holds them. (With prefix caching on, full cached blocks go to
+    vLLM's evictable set first, so they return memory only when evicted.) Block ids are
+    kvcached's, which the vLLM integration keeps equal to vLLM's ``KVCacheBlock.block_id``.
+    ``None`` when kvcached is not active here or the pool cannot report page occupancy.
     """
     ids = [int(b) for b in block_ids]
     try:
