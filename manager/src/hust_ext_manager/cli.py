@@ -518,8 +518,20 @@ def _list(as_json: bool) -> None:
         print(f"{diagnostic.bundle_id} invalid {diagnostic.error}", file=sys.stderr)
 
 
+def _text_argument(value: str, what: str) -> None:
+    """Refuse an argument made of undecodable bytes (Python's surrogate escapes) before
+    anything is read or written: it names no bundle, and echoing it would fail on a strict
+    UTF-8 stdout after the state file had already changed."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} {value!r} is not valid UTF-8") from error
+
+
 def _extension(args: argparse.Namespace) -> None:
     verb = args.verb
+    if getattr(args, "extension_id", None) is not None:
+        _text_argument(args.extension_id, "extension id")
     if verb == "list":
         _list(args.json)
     elif verb in ("inspect", "validate"):

@@ -124,6 +124,12 @@ def _ships_module(dist: Distribution, recorded: set[PurePosixPath], module: str)
     return any((root / p).is_file() for root in roots for p in sources)
 
 
+def _token(text: str) -> str:
+    """A name from the manifest as it is when it is one printable token, else quoted and
+    escaped: a message naming it stays one line and shows exactly what the manifest holds."""
+    return text if text.isprintable() and not any(c.isspace() for c in text) else repr(text)
+
+
 def _check_plugins(
     bundle_id: str,
     dist: Distribution,
@@ -140,7 +146,7 @@ def _check_plugins(
         return
     published = {(e.group, e.name): e for e in dist.entry_points}
     for ref in declared:
-        where = f"{bundle_id!r} activation entry point {ref.group}:{ref.name}"
+        where = f"{bundle_id!r} activation entry point {ref.group}:{_token(ref.name)}"
         found = published.get((ref.group, ref.name))
         if found is None:
             raise DiscoveryError(f"{where} is not published by distribution {dist_name!r}")
