@@ -5,7 +5,8 @@ next write; a corrupt or unknown-schema file is refused with exit 2 and left byt
 untouched by every mutating verb; 20 manager processes enabling, disabling and
 configuring different ids at the same moment lose none of their updates (the lock file).
 Bad input is one error line naming the file or variable: JSON the parser rejects with a
-plain ValueError (an over-long integer), a whitespace-only ``VLLM_HUST_EXT_CONFIG``. As in
+plain ValueError (an over-long integer), a whitespace-only ``VLLM_HUST_EXT_CONFIG``, a
+state path that is a FIFO (refused at once, never waited on) or a directory. As in
 the official manager, unknown top-level keys are ignored and NaN is read and written back.
 A symlinked state file stays a link, and its target gets the new state. ``list``,
 ``inspect`` and ``status`` show the stored enabled flag; ``configure`` needs an installed
@@ -271,6 +272,25 @@ def test_a_bad_state_file_is_named_by_the_console_script(
     line = _one_error_line(_cli(str(path), argv, tmp_path))
     assert f"vllm-hust-ext config {path} {message}" in line
     assert path.read_text() == text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_state_path_that_is_not_a_regular_file_is_refused_at_once(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO at the state path (which a plain open() would wait on forever) or a directory:
+    a reading and a mutating verb each exit 2 at once with one line naming the path, and
+    the path is left as it was, with no temp file beside it."""
+    path = tmp_path / "c.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    for argv in (["extension", "list"], ["extension", "disable", "org.test.a"]):
+        line = _one_error_line(_cli(str(path), argv, tmp_path))
+        assert line == f"vllm-hust-ext: error: vllm-hust-ext config {path} is not a regular file"
+    assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else path.is_dir()
+    assert not list(tmp_path.glob(".config-*"))
 
 
 def test_unknown_top_level_keys_and_nan_are_read_as_the_official_manager_reads_them(

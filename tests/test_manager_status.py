@@ -25,9 +25,12 @@ composition.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import http.server
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -361,6 +364,59 @@ def test_manager_sink_binds_lines_and_refuses_what_it_cannot_bind(
     with pytest.raises(ValueError, match="bound"):
         runtime_evidence.record_event(unbound)
     assert len(path.read_text().splitlines()) == 2  # nothing refused was written
+
+
+class _Blocked(BaseException):
+    """Not an OSError (nor an Exception): no handler of the code under test swallows it."""
+
+
+@contextlib.contextmanager
+def _within(seconds: float) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM interrupts a blocking open() in this thread."""
+    def expired(signum: int, frame: object) -> None:
+        raise _Blocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_evidence_path_at_a_fifo_blocks_neither_status_nor_a_writer(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The evidence path is the user's to set, so it may name a FIFO, which a plain open()
+    waits on until the other end opens. ``status`` reads it as no evidence at once, and both
+    writers (the bundle's sink and the manager's ``record_event``) fail at once with an
+    OSError (ENXIO: no reader) instead of blocking the engine; the bundle's non-strict sink
+    ignores it, as any failed write."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    fifo = tmp_path / "evidence.jsonl"
+    os.mkfifo(fifo)
+    binding = {"VLLM_HUST_EXT_EVIDENCE_PATH": str(fifo), "VLLM_ECPA_PLAN_ID": "p",
+               "VLLM_ECPA_LAUNCH_ID": "l"}
+    for key, value in binding.items():
+        monkeypatch.setenv(key, value)
+    with _within(5):
+        assert "runtime_effective" not in status("org.test.p", capsys)["states"]
+    with _within(5), pytest.raises(OSError) as raised:
+        runtime_evidence.record_event("effective", {}, extension_id="org.test.p")
+    assert raised.value.errno == errno.ENXIO
+    strict = evidence_sink_from_env({**binding, "VLLM_ECPA_EVIDENCE_STRICT": "1"})
+    assert strict is not None
+    with _within(5), pytest.raises(OSError) as raised:
+        strict("effective", {})
+    assert raised.value.errno == errno.ENXIO
+    quiet = evidence_sink_from_env(binding)
+    assert quiet is not None
+    with _within(5):
+        quiet("effective", {})
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def _live_line(**changes: Any) -> dict[str, Any]:

@@ -83,7 +83,9 @@ def evidence_line(
 
 def _append(path: Path, line: Mapping[str, object]) -> None:
     data = (json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    # O_NONBLOCK: a FIFO at the path with no reader fails at once (ENXIO) instead of
+    # blocking the engine; it changes nothing for a regular file.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o600)
     try:
         # One write() on an O_APPEND descriptor: concurrent writers never interleave lines.
         os.write(fd, data)

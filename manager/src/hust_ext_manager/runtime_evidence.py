@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hust_ext_manager.fileio import append_line, open_regular
 from hust_ext_manager.jsonio import JSONInputError, load_json
 from hust_ext_manager.state import config_path
 
@@ -71,11 +72,7 @@ def start_identity(pid: int) -> str | None:
 def _append(line: Mapping[str, Any], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
-    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, data)  # one write on an O_APPEND descriptor: lines never interleave
-    finally:
-        os.close(fd)
+    append_line(target, data)
 
 
 def _bound(event: Mapping[str, Any]) -> bool:
@@ -155,7 +152,7 @@ def launch_environment(bundles: Sequence[tuple[str, str, str]]) -> dict[str, str
 
 def _events(target: Path) -> list[dict[str, Any]]:
     try:
-        with target.open("rb") as stream:
+        with open_regular(target) as stream:
             stream.seek(0, os.SEEK_END)
             size = stream.tell()
             stream.seek(max(0, size - _MAX_READ_BYTES))

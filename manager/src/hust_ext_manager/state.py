@@ -25,6 +25,7 @@ from typing import Any
 import platformdirs
 from pydantic import BaseModel, ConfigDict
 
+from hust_ext_manager.fileio import NotARegularFileError, open_regular
 from hust_ext_manager.jsonio import JSONInputError, load_json
 
 __all__ = [
@@ -132,9 +133,12 @@ def _entry(extension_id: str, value: object) -> ExtensionState:
 def load_state(path: Path | None = None) -> State:
     target = config_path() if path is None else path
     try:
-        text = target.read_text(encoding="utf-8")
+        with open_regular(target) as stream:
+            text = stream.read().decode("utf-8")
     except FileNotFoundError:
         return State()
+    except NotARegularFileError as error:
+        raise ValueError(f"vllm-hust-ext config {target} is not a regular file") from error
     except UnicodeDecodeError as error:
         raise ValueError(f"vllm-hust-ext config {target} is not UTF-8") from error
     try:

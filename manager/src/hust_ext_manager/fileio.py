@@ -1,0 +1,51 @@
+"""Opening the files a user's settings name without ever waiting on them.
+
+The state file and the evidence log live at paths a user can set, so they may name a
+FIFO, a device or a directory. A plain ``open()`` of a FIFO blocks until the other end
+opens, which would hang a ``vllm-hust-ext`` command (or an engine writing evidence)
+forever. These helpers open with ``O_NONBLOCK`` and check the opened descriptor, so such a
+path fails at once with an ``OSError`` naming it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["NotARegularFileError", "append_line", "open_regular"]
+
+
+class NotARegularFileError(OSError):
+    """The path exists but is a FIFO, device, socket or directory."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(errno.EINVAL, "not a regular file", str(path))
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for binary reading; :class:`NotARegularFileError` if it is not a
+    regular file (checked on the descriptor, so a swap after a check cannot slip by)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFileError(path)
+        # O_NONBLOCK changes nothing for a regular file's reads.
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def append_line(path: Path, data: bytes) -> None:
+    """Append ``data`` with one ``write()`` on an ``O_APPEND`` descriptor, so lines from
+    concurrent writers never interleave; created 0600. A FIFO with no reader fails at once
+    (ENXIO) instead of blocking."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
