@@ -1,17 +1,19 @@
-"""``kvcached-provider limit``: result states, revision handling, and refusing to mix with kvctl.
+"""``kvcached-provider limit``: result states, revision handling, and refusing to mix with
+kvctl.
 
 kvcached cannot be installed here, so these tests fake it at the module boundary: fake
 ``kvcached``, ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C`` modules
 (``tests/fake_kvcached.py``, behaviour from the kvcached spec: revision rules, status
 precedence, result keys) are put into ``sys.modules``; the ``/dev/shm`` control records are
-real 24-byte files in a temporary directory. Guarded: every printed state (applied, deferred,
-stale, conflict, unavailable, rejected) and its exit code; revisions persisted atomically,
-never reused (also across concurrent commands), advanced past a stale answer; refusal when a
-``kvctl`` limit changed the control record or is in force on first use (but not after an
-engine restart: markers are bound to the segment's inode); the engine-side responder
-answering a command run in another process, and answering a malformed request; the
-activation plugin starting it only when enabled, never raising, and retrying a failed
-start; bad input as one-line errors; ``main()`` putting the SIGTERM handler back when it
+real 24-byte files in a temporary directory. Guarded: every printed state (applied,
+deferred, stale, conflict, unavailable, rejected) and its exit code; revisions persisted
+atomically, never reused (also across concurrent commands), advanced past a stale answer;
+refusal when a ``kvctl`` limit changed the control record or is in force on first use (but
+not after an engine restart: markers are bound to the segment's inode); the engine-side
+responder answering a command run in another process, and answering a malformed request (a
+FIFO planted as a request included, never waited on); the activation plugin starting it only
+when enabled, never raising, and retrying a failed start; bad input as one-line errors (a
+FIFO at the state file refused at once); ``main()`` putting the SIGTERM handler back when it
 returns.
 """
 
@@ -552,6 +554,42 @@ def test_control_record_that_is_a_fifo_does_not_hang(dirs: tuple[Path, Path]) ->
     code, err = _cli_within(10, "--ipc", IPC, "--timeout", "0.1", "1G")
     assert code == 2 and err.count("\n") == 1
     assert "expected a regular file of 24 bytes, found a FIFO" in err
+
+
+def test_a_state_file_that_is_a_fifo_does_not_hang(dirs: tuple[Path, Path]) -> None:
+    """A FIFO at ``instances.json`` (which a plain open() would wait on) is refused at once,
+    in one line naming it, and left in place."""
+    dirs[0].mkdir()
+    state = dirs[0] / "instances.json"
+    os.mkfifo(state)
+    code, err = _cli_within(10, "--ipc", IPC, "--timeout", "0.1", "1G")
+    assert code == 2 and err.count("\n") == 1
+    assert f"cannot read {state}: " in err and "expected a regular file, found a FIFO" in err
+    assert state.is_fifo()
+
+
+def test_a_request_that_is_a_fifo_is_answered_not_waited_on(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
+) -> None:
+    """A FIFO planted in the mailbox as ``req-1.json`` must not hang the engine's responder
+    thread: it is claimed and answered rejected/invalid_request like any malformed request,
+    and nothing is applied."""
+    box = dirs[0] / "mailbox" / IPC
+    box.mkdir(parents=True)
+    os.mkfifo(box / "req-1.json")
+    responder = LimitResponder(IPC)
+    responder.poll_once()  # locks the pool
+    answered: list[int] = []
+    worker = threading.Thread(target=lambda: answered.append(responder.poll_once()),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the responder blocked on the FIFO"
+    assert answered == [1]
+    answer = json.loads((box / "ans-1.json").read_text())
+    assert answer["status"] == "rejected" and answer["reason"] == "invalid_request"
+    assert "expected a regular file, found a FIFO" in answer["detail"]
+    assert pool.capacity_pages == 4
 
 
 def test_a_name_with_a_trailing_newline_is_refused(

@@ -64,6 +64,7 @@ Refusing to mix with ``kvctl`` (our design; kvcached records no owner in the seg
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import importlib
 import json
@@ -303,6 +304,20 @@ def _file_kind(mode: int) -> str:
     return "a device or other special file"
 
 
+def _read_text(path: Path) -> str:
+    """A small file the provider writes itself, as UTF-8 text; FileNotFoundError passes.
+
+    Opened non-blocking and checked on the descriptor: a FIFO planted at the path would
+    otherwise hang the reader (a ``limit`` command, or the engine's responder thread).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as stream:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"expected a regular file, found {_file_kind(mode)}")
+        return stream.read().decode("utf-8")
+
+
 def _instance_records(ipc: str, directory: Path | None = None) -> dict[str, ControlRecord]:
     """The records of an instance: ``<ipc>`` (group 0) and ``<ipc>_g<N>`` (other groups)."""
     base = directory if directory is not None else shm_dir()
@@ -385,7 +400,7 @@ class _RevisionStore:
 
     def load(self) -> _State:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = _read_text(self.path)
         except FileNotFoundError:
             return _State()
         except (OSError, UnicodeDecodeError) as exc:
@@ -568,7 +583,7 @@ def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 def _read_answer(path: Path) -> dict[str, Any] | None:
     """The answer file's JSON object; None while it does not exist yet."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
@@ -725,7 +740,7 @@ class LimitResponder:
 
     def _answer(self, claimed: Path) -> None:
         try:
-            body = json.loads(claimed.read_text(encoding="utf-8"))
+            body = json.loads(_read_text(claimed))
             if body.get("schema") != _REQUEST_SCHEMA or body.get("ipc_name") != self.ipc:
                 raise ValueError("unexpected request schema or instance")
             revision = int(body["revision"])
