@@ -1,5 +1,4 @@
-"""``kvcached-provider limit``: result states, revision handling, and refusing to mix with
-kvctl.
+"""``kvcached-provider limit``: result states, revisions, and refusing to mix with kvctl.
 
 kvcached cannot be installed here, so these tests fake it at the module boundary: fake
 ``kvcached``, ``kvcached.control``, ``kvcached.pool_registry`` and ``kvcached._C`` modules
