@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from qualification.errors import QualificationError
+from qualification.errors import QualificationError, one_line
 from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
 
 __all__ = ["main"]
@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(text: str) -> None:
+    """Print one line: an undecodable path (surrogate escapes) or a line break from a
+    record or profile is shown escaped rather than raising or splitting the line."""
+    print(one_line(text))
+
+
 def _run(args: argparse.Namespace) -> int:
     from qualification.runner import ensure_out_dir, launch_plan, render_with_manager, run_profile
 
@@ -71,11 +77,11 @@ def _run(args: argparse.Namespace) -> int:
             print(message, file=sys.stderr, flush=True)
 
     result = run_profile(profile, out, repeats=args.repeats, log=log)
-    print(f"record: {result.record_path}")
-    print(f"report: {result.report_path}")
-    print(f"plot:   {result.plot_path}")
+    _say(f"record: {result.record_path}")
+    _say(f"report: {result.report_path}")
+    _say(f"plot:   {result.plot_path}")
     for outcome in result.outcomes:
-        print(f"{outcome.cell}: {outcome.label} ({outcome.reason})")
+        _say(f"{outcome.cell}: {outcome.label} ({outcome.reason})")
     gate = result.record["gate"]
     assert isinstance(gate, dict)
     if result.passed:
@@ -83,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print("gate: FAILED")
     for failure in gate["failures"]:
-        print(f"  - {failure}")
+        _say(f"  - {failure}")
     return 1
 
 
@@ -99,14 +105,14 @@ def _release_check(args: argparse.Namespace) -> int:
     records = args.records or [DEFAULT_RECORDS]
     result = check_release(args.root, records)
     if result.passed:
-        print(
+        _say(
             f"release check passed for {result.version}; "
             f"records: {', '.join(result.matched_records)}"
         )
         return 0
-    print(f"release check FAILED for {result.version or 'unknown version'}; missing:")
+    _say(f"release check FAILED for {result.version or 'unknown version'}; missing:")
     for problem in result.problems:
-        print(f"  - {problem}")
+        _say(f"  - {problem}")
     return 1
 
 

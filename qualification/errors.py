@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-__all__ = ["ManagerVerbError", "QualificationError", "unparsable_reason"]
+__all__ = ["ManagerVerbError", "QualificationError", "one_line", "unparsable_reason"]
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a line break, another control character or an
+    undecodable byte's surrogate escape (in a file name, key or value a message quotes)
+    is written as its backslash escape, so the line never splits and always encodes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class QualificationError(Exception):
-    """Bad input or an environment that cannot run a profile; the message names the thing."""
+    """Bad input or an environment that cannot run a profile; the message names the thing
+    (on one line, whatever it quotes)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class ManagerVerbError(QualificationError):

@@ -56,7 +56,12 @@ def _sum(samples: Samples, names: Iterable[str], **labels: str) -> float | None:
         for n, lab, v in samples
         if n in wanted and all(lab.get(k) == want for k, want in labels.items())
     ]
-    return math.fsum(values) if values else None
+    if not values:
+        return None
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # +Inf with -Inf, or a sum past float's range
+        return sum(values)  # NaN or an infinity, which the readers treat as no count
 
 
 def metric_delta(before: Samples, after: Samples, name: str, **labels: str) -> float | None:
@@ -77,7 +82,7 @@ def counters_from_metrics(
     counters: dict[str, int] = {}
     for event in COUNTER_NAMES:
         delta = metric_delta(before, after, "vllm:preemption_policy_events", event=event)
-        if delta is not None:
+        if delta is not None and math.isfinite(delta):  # NaN/+Inf samples: no count
             counters[event] = round(delta)
     enabled_value = gauge(after, "vllm:preemption_policy_enabled")
     enabled = None if enabled_value is None else enabled_value >= 1

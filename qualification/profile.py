@@ -47,6 +47,18 @@ __all__ = [
 ]
 
 
+def _directory_name(value: str) -> str:
+    """A profile or cell name becomes one directory name (``<out>/cells/<cell>``,
+    ``qualification/records/<profile>-<stamp>``): a separator or ``..`` would write outside
+    the run's directory, a control character would break the path or a message line."""
+    if value in (".", "..") or "/" in value or "\\" in value or not value.isprintable():
+        raise ValueError(
+            "expected a name usable as one directory name (printable, no '/' or '\\', "
+            f"not '.' or '..'), got {value!r}"
+        )
+    return value
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -155,6 +167,11 @@ class CellSpec(_Frozen):
     # replay cells: extra bidkv-replay arguments (placeholders as in ReplaySpec.args)
     replay_args: tuple[str, ...] = ()
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _directory_name(value)
+
     @field_validator("paragraph_repeats")
     @classmethod
     def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
@@ -202,6 +219,11 @@ class Profile(_Frozen):
     @property
     def source_sha256(self) -> str | None:
         return self._source_sha256
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _directory_name(value)
 
     @field_validator("host_version_range")
     @classmethod

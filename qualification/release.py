@@ -199,6 +199,9 @@ def _iter_records(
     for base in dirs:
         files = [base] if base.is_file() else sorted(base.rglob("*.json")) if base.is_dir() else []
         for path in files:
+            if not path.is_file():  # a FIFO would block the read forever
+                unreadable.append(f"{path.name} (not a regular file)")
+                continue
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError, RecursionError) as exc:

@@ -27,6 +27,9 @@ from qualification.verdict import COUNTER_NAMES, ArmResult
 __all__ = ["arm_from_report", "read_report", "replay_command", "run_replay_arm"]
 
 REPORT_NAME = "report.json"
+# A real report nests 4 deep. A value nested hundreds deep still parses but would overflow
+# the stack when the record copies it (dataclasses.asdict, json.dump).
+MAX_REPORT_DEPTH = 64
 
 
 def replay_command(
@@ -51,8 +54,9 @@ def replay_command(
 def _format_arg(profile_name: str, template: str, fields: Mapping[str, str]) -> str:
     try:
         return template.format(**fields)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        # e.g. {nope} (KeyError), {0} (IndexError), {seed.real} (AttributeError), a lone {
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        # e.g. {nope} (KeyError), {0} (IndexError), {seed.real} (AttributeError), a lone {,
+        # {seed[x]} (TypeError: string indices must be integers)
         raise QualificationError(
             f"profile {profile_name}: replay argument {template!r} has an unsupported "
             f"placeholder ({exc}); expected plain {{name}} with name one of {sorted(fields)}"
@@ -64,10 +68,27 @@ def _number(node: object, *keys: str) -> float:
         if not isinstance(node, Mapping):
             return float("nan")
         node = node.get(key)
-    return float(node) if isinstance(node, int | float) else float("nan")
+    if not isinstance(node, int | float):
+        return float("nan")
+    try:
+        return float(node)
+    except OverflowError:  # an integer past float's range: infinite, as json reads 1e400
+        return math.inf if node > 0 else -math.inf
 
 
 _JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _depth(node: object) -> int:
+    """How deeply arrays and objects nest in ``node`` (iteratively: no recursion)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def read_report(path: Path) -> dict[str, object]:
@@ -82,6 +103,11 @@ def read_report(path: Path) -> dict[str, object]:
     if not isinstance(doc, dict):
         kind = _JSON_KINDS.get(type(doc), "a number")
         raise QualificationError(f"bidkv-replay report {path}: expected a JSON object, got {kind}")
+    if _depth(doc) > MAX_REPORT_DEPTH:
+        raise QualificationError(
+            f"bidkv-replay report {path}: cannot be read as JSON (nested too deeply); "
+            f"expected a JSON object nested at most {MAX_REPORT_DEPTH} deep"
+        )
     return doc
 
 

@@ -104,6 +104,11 @@ def _host_commit() -> str | None:
     # vLLM-HUST builds expose their commit; stock wheels do not. An operator may declare it.
     declared = os.environ.get("VLLM_HUST_COMMIT")
     if declared:
+        if not declared.isprintable():  # undecodable bytes or a line break: report.md breaks
+            raise QualificationError(
+                f"VLLM_HUST_COMMIT {declared!r} is invalid: expected the host's commit id "
+                "(printable text on one line)"
+            )
         return declared
     try:
         dist = importlib.metadata.distribution("vllm")
@@ -195,6 +200,11 @@ def run_profile(
     log: Callable[[str], None] = lambda _m: None,
 ) -> RunResult:
     n = repeats or profile.repeats
+    # Bad input found only later would come after --out and the first arm exist: check the
+    # declared host commit and format every replay argument of the run first.
+    _host_commit()
+    if profile.kind == "replay":
+        launch_plan(profile, repeats=n)
     if arm_runner is None:
         _check_tools(profile)
         arm_runner = _serve_runner(profile) if profile.kind == "serve" else _replay_runner(profile)
