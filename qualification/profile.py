@@ -261,7 +261,8 @@ def load_profile(name_or_path: str) -> Profile:
     if not path.is_file():
         known = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
         raise QualificationError(
-            f"profile {name_or_path!r}: no such file {path}; "
+            f"profile {name_or_path!r}: "
+            f"{'not a regular file' if path.exists() else 'no such file'} {path}; "
             f"expected one of {known} or a .toml path"
         )
     try:

@@ -11,6 +11,7 @@ with one line naming the rule."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -184,6 +185,19 @@ def test_unknown_profile_name(capsys: pytest.CaptureFixture[str]) -> None:
     # A .toml argument is a path, never a bundled name.
     assert main(["run", "no-such-profile.toml", "--dry-run"]) == 2
     assert "no such file no-such-profile.toml;" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_profile_path_that_is_not_a_regular_file(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory or FIFO given as the profile is named as such (not "no such file"), and
+    the FIFO is never opened, so nothing waits on it."""
+    path = tmp_path / "p.toml"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    assert main(["run", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"not a regular file {path};" in err and err.count("\n") == 1
 
 
 _CPU_CELL = '[[cells]]\nname = "azure-conv-30s"\n'
