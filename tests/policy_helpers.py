@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+from kvcached_provider import signals
 
 
 def raised_in_another_thread(call: Callable[[], object]) -> BaseException | None:
@@ -52,3 +53,17 @@ def ctx(
     cands = tuple(candidates)
     req = requester if requester is not None else cands[-1].request_id
     return PreemptionContext(cands, policy, req, usage, now, builtin)  # type: ignore[arg-type]
+
+
+class PageModelSource:
+    """A signals source (``kvcached_provider.signals.signals_source``) that publishes only a
+    page model: no capacity signals, so no shrink is pending."""
+
+    def __init__(self, model: signals.PageModel) -> None:
+        self.model = model
+
+    def capacity_signals(self) -> signals.CapacitySignals | None:
+        return None
+
+    def page_model(self) -> signals.PageModel | None:
+        return self.model

@@ -19,7 +19,6 @@ The module-level tally proves each outcome kind really occurs in the drawn examp
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,6 +34,7 @@ from bidkv_ext.controller import (
     PreemptionPolicyController,
     builtin_victim_id,
 )
+from tests.policy_helpers import raised_in_another_thread
 from tests.property_settings import REAL_SCHEDULER
 
 EXAMPLES = 300
@@ -353,19 +353,6 @@ def quiet_count(records: list[logging.LogRecord]) -> int:
     return sum(1 for r in records if r.levelno <= logging.DEBUG)
 
 
-def raised_in_thread(call: Any) -> BaseException | None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return errors[0] if errors else None
 
 
 def build(scenario: Scenario, policy: ScriptedPolicy | None, sink: Any, observer: Any
@@ -463,7 +450,8 @@ def check_scenario(scenario: Scenario) -> None:
             if step.kind == "wrong-thread":
                 # §5 step 0: raises, changes no counter, asks nobody, logs nothing.
                 note("wrong-thread")
-                error = raised_in_thread(partial(controller.select_victim, context, step.facts))
+                error = raised_in_another_thread(
+                    partial(controller.select_victim, context, step.facts))
                 assert isinstance(error, RuntimeError) and str(error) == WRONG_THREAD
             elif step.kind == "emit-effective":
                 note("emit-effective")

@@ -55,6 +55,7 @@ from bidkv_ext.replay.capacity import (
 )
 from kvcached_provider import signals
 from tests.conftest import HAVE_VLLM
+from tests.policy_helpers import PageModelSource
 
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
@@ -407,17 +408,6 @@ def test_cli_reports_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 # -- pages_released from the host --------------------------------------------------------
 
 
-class _Source:
-    def __init__(self, model: signals.PageModel) -> None:
-        self.model = model
-
-    def capacity_signals(self) -> signals.CapacitySignals | None:
-        return None
-
-    def page_model(self) -> signals.PageModel | None:
-        return self.model
-
-
 def _finished_status() -> Any:
     from vllm.v1.request import RequestStatus
 
@@ -451,7 +441,7 @@ def test_pages_released_on_a_hand_built_layout(vllm_offline: Any, make_scheduler
     pool = scheduler.kv_cache_manager.block_pool
     reserved = [pool.blocks[15], pool.blocks[17]]
     pool.touch(reserved)
-    with signals.signals_source(_Source(signals.PageModel(4, 21))):
+    with signals.signals_source(PageModelSource(signals.PageModel(4, 21))):
         facts = scheduler._host_facts(request, 1)
     got = {rid: f.pages_released for rid, f in facts.facts.items()}
     # a: page 0 holds the null block. b: page 1 is all b's. c: page 2 also holds the shared
@@ -461,7 +451,7 @@ def test_pages_released_on_a_hand_built_layout(vllm_offline: Any, make_scheduler
     # Free d and e: f's page is {12 free, 13 free, 14 f, 15 reserved} -> 1, and c's page
     # is {8 9 10 c, 11 free} -> 1.
     scheduler.finish_requests(["d", "e"], _finished_status())
-    with signals.signals_source(_Source(signals.PageModel(4, 21))):
+    with signals.signals_source(PageModelSource(signals.PageModel(4, 21))):
         facts = scheduler._host_facts(request, 1)
     got = {rid: f.pages_released for rid, f in facts.facts.items()}
     assert got == {"a": 0, "b": 1, "c": 1, "f": 1}
@@ -471,7 +461,8 @@ def test_pages_released_on_a_hand_built_layout(vllm_offline: Any, make_scheduler
 
 
 def test_register_source_is_exclusive_and_scoped() -> None:
-    first, second = _Source(signals.PageModel(4, 8)), _Source(signals.PageModel(2, 8))
+    first = PageModelSource(signals.PageModel(4, 8))
+    second = PageModelSource(signals.PageModel(2, 8))
     with signals.signals_source(first):
         assert signals.current_page_model() == signals.PageModel(4, 8)
         with pytest.raises(RuntimeError, match="already registered"):

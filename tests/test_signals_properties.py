@@ -56,6 +56,7 @@ from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
 from kvcached_provider import signals
 from tests.conftest import HAVE_VLLM
 from tests.fake_kvcached import FakeKVCacheManager, install
+from tests.policy_helpers import PageModelSource
 from tests.property_settings import REAL_SCHEDULER
 
 BLOCK_BYTES = 1 << 16
@@ -607,17 +608,6 @@ def _stub_scheduler(h: Holding) -> Any:
                            running=[SimpleNamespace(request_id=rid) for rid in h.held])
 
 
-class _PageSource:
-    def __init__(self, model: signals.PageModel) -> None:
-        self.model = model
-
-    def capacity_signals(self) -> signals.CapacitySignals | None:
-        return None
-
-    def page_model(self) -> signals.PageModel | None:
-        return self.model
-
-
 HOST_TALLY: Counter[str] = Counter()
 
 
@@ -634,7 +624,7 @@ def _check_host_facts(h: Holding) -> None:
 
     plain = facts_of()
     assert all(f.pages_released is None for f in plain.facts.values())
-    with signals.signals_source(_PageSource(signals.PageModel(h.per_page, h.num_blocks))):
+    with signals.signals_source(PageModelSource(signals.PageModel(h.per_page, h.num_blocks))):
         facts = facts_of()
     expected = _model_host_facts(h)
     got = {rid: (f.exclusive_blocks, f.cached_blocks, f.total_blocks, f.pages_released)
