@@ -47,6 +47,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from platformdirs import user_config_path
 
+from tests.fuzz_helpers import SHORT_TEXT, put, shape, tally_report, walk
 from tests.property_settings import REAL_SCHEDULER
 from tests.test_manager_manifest import write_dist
 
@@ -451,10 +452,6 @@ def write_file(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def tally_report(name: str, seen: Counter[tuple[str, str]]) -> None:
-    print(f"\n{name}: " + ", ".join(f"{k[0]}={k[1]}:{n}" for k, n in sorted(seen.items())))
-
-
 # --- strategies: JSON values and state documents -------------------------------------
 
 def kind_of(value: object) -> str:
@@ -467,22 +464,19 @@ def kind_of(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}[type(value)]
 
 
-short_text = st.text(
-    st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=8
-)
 scalars = (
     st.none()
     | st.booleans()
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | short_text
+    | SHORT_TEXT
 )
 json_values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(short_text, inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(SHORT_TEXT, inner, max_size=3),
     max_leaves=6,
 )
-json_objects = st.dictionaries(short_text, json_values, max_size=3)
+json_objects = st.dictionaries(SHORT_TEXT, json_values, max_size=3)
 
 
 def of_other_kind(original: object) -> st.SearchStrategy[Any]:
@@ -538,7 +532,7 @@ def state_documents(draw: st.DrawFn) -> dict[str, Any]:
     if ids or draw(st.booleans()):
         document["extensions"] = {i: draw(state_entry(i)) for i in ids}
     if draw(st.integers(0, 4)) == 0:
-        document[draw(short_text.filter(lambda k: k not in document))] = draw(json_values)
+        document[draw(SHORT_TEXT.filter(lambda k: k not in document))] = draw(json_values)
     return document
 
 
@@ -562,13 +556,6 @@ def state_slots(document: dict[str, Any]) -> list[tuple[Any, ...]]:
         if "configuration" in entry:
             slots.append(("extensions", key, "configuration", "note"))
     return slots
-
-
-def put(document: Any, path: Sequence[Any], value: object) -> None:
-    target = document
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
 
 
 def get(document: Any, path: Sequence[Any]) -> Any:
@@ -621,7 +608,7 @@ def state_bytes(draw: st.DrawFn, kind: str) -> bytes | None:
         return raw[:at] + draw(st.sampled_from(BAD_UTF8)) + raw[at:]
     if kind == "unknown_entry_key":
         extensions = dict(document.get("extensions", {}))
-        key = draw(short_text.filter(lambda k: k not in ("enabled", "configuration")))
+        key = draw(SHORT_TEXT.filter(lambda k: k not in ("enabled", "configuration")))
         extensions[draw(other_ids)] = {key: draw(json_values)}
         return dump_state(draw, {**document, "schema_version": 2, "extensions": extensions})
     slots = state_slots(document)
@@ -725,25 +712,11 @@ def test_a_corrupt_state_file_is_refused_by_every_verb_and_left_untouched(
 # --- family 2: bundle manifests -------------------------------------------------------
 
 
-def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    yield path, value
-    if isinstance(value, dict):
-        for key, child in value.items():
-            yield from walk(child, (*path, key))
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            yield from walk(child, (*path, index))
-
-
 def render(path: Sequence[Any]) -> str:
     text = ""
     for part in path:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
-
-
-def shape(path: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple("*" if isinstance(p, int) else p for p in path)
 
 
 def located(path: Sequence[Any]) -> tuple[str, ...]:
@@ -828,7 +801,7 @@ MANIFEST_KINDS = (
 
 
 # Replacement strings, often with the whitespace a one-line message must not pass through.
-retexts = st.sampled_from(["", " ", "a b", "x\ny", "\t", "kvcached_provider\n"]) | short_text
+retexts = st.sampled_from(["", " ", "a b", "x\ny", "\t", "kvcached_provider\n"]) | SHORT_TEXT
 
 
 @dataclass(frozen=True)
@@ -880,8 +853,8 @@ def manifest_cases(draw: st.DrawFn, kind: str) -> ManifestCase:
         open_ones = [p for p in containers if shape(p) not in CLOSED]
         closed = [p for p in containers if p not in open_ones]
         path = draw(st.sampled_from(open_ones if valid else closed))
-        name = draw(short_text.filter(lambda k: k not in KNOWN_FIELDS))
-        value = draw(short_text if valid else json_values)
+        name = draw(SHORT_TEXT.filter(lambda k: k not in KNOWN_FIELDS))
+        value = draw(SHORT_TEXT if valid else json_values)
         get(document, path)[name] = value
         if shape(path) in CLOSED:
             verdict = "refuse"

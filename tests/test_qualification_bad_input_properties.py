@@ -90,6 +90,7 @@ from qualification.profile import (
 )
 from qualification.replay import arm_from_report, read_report
 from qualification.verdict import COUNTER_NAMES, ArmResult
+from tests.fuzz_helpers import SHORT_TEXT, put, shape, tally_report, walk
 from tests.property_settings import REAL_SCHEDULER
 from tests.test_qualification_cpu_replay import _controller, _replay_arm_report
 from tests.test_qualification_release import _record, _tree
@@ -188,10 +189,6 @@ def snapshot(root: Path) -> dict[str, object]:
         else:
             seen[rel] = "special"
     return seen
-
-
-def tally_report(name: str, seen: Counter[tuple[str, str]]) -> None:
-    print(f"\n{name}: " + ", ".join(f"{k[0]}={k[1]}:{n}" for k, n in sorted(seen.items())))
 
 
 # --- stubs: nothing is launched -------------------------------------------------------
@@ -333,28 +330,10 @@ def required(kind: str) -> set[tuple[str, ...]]:
     return keys | {("replay",)}
 
 
-def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    yield path, value
-    if isinstance(value, dict):
-        for key, child in value.items():
-            yield from walk(child, (*path, key))
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            yield from walk(child, (*path, index))
-
-
 def get(doc: Any, path: Sequence[Any]) -> Any:
     for part in path:
         doc = doc[part]
     return doc
-
-
-def put(doc: Any, path: Sequence[Any], value: Any) -> None:
-    get(doc, path[:-1])[path[-1]] = value
-
-
-def shape(path: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple("*" if isinstance(p, int) else p for p in path)
 
 
 def free_form(path: Sequence[Any]) -> bool:
@@ -395,18 +374,15 @@ def kind_of(value: object) -> str:
     return {str: "string", list: "array", dict: "table"}[type(value)]
 
 
-short_text = st.text(
-    st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=8
-)
 toml_scalars = (
     st.booleans()
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | short_text
+    | SHORT_TEXT
 )
 toml_values = st.recursive(
     toml_scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(short_text, inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(SHORT_TEXT, inner, max_size=3),
     max_leaves=5,
 )
 RETEXTS = [
@@ -415,7 +391,7 @@ RETEXTS = [
     "}", "{seed:\n}", "{seed.a\nb}", ">=0", "not a range", "(rank=(\\d+)", "(\\d+)",
     "homogeneous-long", "azure-conv-30s",
 ]
-retexts = st.sampled_from(RETEXTS) | short_text
+retexts = st.sampled_from(RETEXTS) | SHORT_TEXT
 SPECIAL_NUMBERS = [
     math.nan, math.inf, -math.inf, 0, -1, 0.5, 1.0, 1e300, 2**63, 10**30, -0.0, 7, MAX_REPEATS,
     MAX_REPEATS + 1,
@@ -820,10 +796,10 @@ REPORT_KINDS = (
     "deep", "arms",
 )
 SLOT = "@@SLOT@@"
-json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | short_text
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | SHORT_TEXT
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(short_text, inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(SHORT_TEXT, inner, max_size=3),
     max_leaves=5,
 )
 
@@ -890,7 +866,7 @@ def report_bytes(draw: st.DrawFn, kind: str, valid: dict[str, Any]) -> bytes:
         put(doc, path, draw(json_values.filter(lambda v: json_kind(v) != json_kind(original))))
     elif kind == "extra":
         table = draw(st.sampled_from([p for p, v in walk(doc) if isinstance(v, dict)]))
-        get(doc, table)[draw(short_text)] = draw(json_values)
+        get(doc, table)[draw(SHORT_TEXT)] = draw(json_values)
     elif kind in ("number", "deep"):
         numeric = [p for p, v in slots if isinstance(v, int | float) and not isinstance(v, bool)]
         if kind == "number":
@@ -1075,7 +1051,7 @@ def evidence_lines(
         if draw(st.booleans()):
             stats["enabled"] = draw(st.booleans())
         if draw(st.booleans()):
-            stats["policy_name"] = draw(short_text)
+            stats["policy_name"] = draw(SHORT_TEXT)
         line = json.dumps({"event": "effective", "stats": stats}).encode()
         if choice in ("stats", "utf8"):
             # Undecodable bytes (inside the "event" key here) read as U+FFFD: still counted.
