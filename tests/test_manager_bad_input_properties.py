@@ -664,6 +664,10 @@ ALWAYS_BAD = frozenset({"wrong_shape", "truncated", "invalid_utf8", "empty", "bo
 def test_a_corrupt_state_file_is_refused_by_every_verb_and_left_untouched(
     world: World, kind: str
 ) -> None:
+    """A state file of the drawn kind (wrong shape or types, truncated, not UTF-8, NaN and
+    huge numbers, deep, empty, BOM, legacy schema, unknown keys, absent, valid): every verb
+    is refused in one line naming the file or the field, or does what the oracle expects
+    of the entries it holds; a refusal leaves the file's bytes as they were."""
     seen: Counter[tuple[str, str]] = Counter()
 
     examples = {"valid": 7, "absent": 4, "numbers": 6, "deep": 6}.get(kind, 4)
@@ -921,6 +925,10 @@ def listed(outcome: Outcome, bundle_id: str) -> str | None:
 def test_a_corrupt_manifest_is_named_strictly_and_tolerated_by_list(
     world: World, kind: str
 ) -> None:
+    """A corrupted copy of a real manifest: ``extension list`` tolerates it with one
+    ``<id> invalid <error>`` line that says what ``validate`` says; every other verb is
+    refused naming the bundle and the field, or behaves as for a valid manifest; the state
+    file is never changed by a refusal."""
     seen: Counter[tuple[str, str]] = Counter()
 
     @settings(REAL_SCHEDULER, max_examples=6 if kind in BOTH_WAYS else 3)
@@ -1200,6 +1208,9 @@ ENV_READERS = {
 def test_bad_environment_variables_are_named_or_tolerated(
     world: World, focus: str, kind: str
 ) -> None:
+    """One environment variable the manager reads, at a drawn bad value: a command that
+    needs it is refused in one line naming the variable (or the path it gives); one that
+    does not read it works; ``env`` composes ``VLLM_PLUGINS`` with the caller's names."""
     seen: Counter[tuple[str, str]] = Counter()
 
     @settings(REAL_SCHEDULER, max_examples=2)
@@ -1376,6 +1387,8 @@ def file_cases(draw: st.DrawFn, kind: str) -> tuple[bytes | None, Any]:
 def test_a_usage_error_is_one_named_line_and_changes_nothing(
     world: World, argv: list[str], names: tuple[str, ...]
 ) -> None:
+    """An argparse usage error: exit 2, one error line naming the argument, no state file
+    created and an existing one unchanged."""
     for stored in (None, json.dumps(ARG_STATE, indent=1).encode()):
         with sandbox(world) as (root, _):
             path = root / "cfg" / "config.json"
@@ -1384,6 +1397,9 @@ def test_a_usage_error_is_one_named_line_and_changes_nothing(
 
 
 def test_odd_ids_are_named_and_change_nothing_they_should_not(world: World) -> None:
+    """Ids that are not installed, look alike, or are not UTF-8, through every id verb:
+    refused naming the id, or accepted where the protocol allows an id that is not
+    installed (``disable``, say); an undecodable id never reaches the state file."""
     seen: Counter[tuple[str, str]] = Counter()
 
     @settings(REAL_SCHEDULER, max_examples=18)
@@ -1412,6 +1428,9 @@ def test_odd_ids_are_named_and_change_nothing_they_should_not(world: World) -> N
 
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_a_bad_configuration_file_is_named_and_stores_nothing(world: World, kind: str) -> None:
+    """``configure --file`` with a drawn file (not JSON, not UTF-8, an array or scalar, a
+    directory, missing, deep): refused naming the file and storing nothing, or an object
+    stored for an installed bundle."""
     seen: Counter[tuple[str, str]] = Counter()
 
     @settings(REAL_SCHEDULER, max_examples=6 if kind == "deep" else 3)
@@ -1512,6 +1531,9 @@ SCRIPT_CASES: tuple[tuple[str, bytes | None, bytes | None, list[str]], ...] = (
 def test_the_console_script_prints_no_traceback(
     world: World, tmp_path: Path, state: bytes | None, manifest: bytes | None, argv: list[str]
 ) -> None:
+    """Through the real console script on a strict UTF-8 stdout: no traceback for a bad
+    state file, manifest or argument; the refusal names the file or argument and the state
+    file's bytes stay as they were, with no temp file left."""
     config = tmp_path / "cfg" / "config.json"
     if state is not None:
         write_file(config, state)
