@@ -2,10 +2,10 @@
 (JSON or TOML) validated with one-line errors naming the file and the bad key.
 
 Also guarded: the preset's ``b`` and ``d`` follow from the hardware figures its docstring
-cites; a ``.TOML`` suffix is TOML; every coefficient must be a finite number >= 0 and the
-name non-empty; a file's ``c``, ``d`` and ``source`` reach the model and ``as_dict``;
-``check_step_bound`` accepts a longest step exactly at the limit and refuses one above it or
-one that is not a number.
+cites; a ``.TOML`` suffix is TOML; every coefficient must be a finite number >= 0 (a JSON
+number: not ``true`` or ``"0.5"``) and the name a non-empty string; a file's ``c``, ``d``
+and ``source`` reach the model and ``as_dict``; ``check_step_bound`` accepts a longest step
+exactly at the limit and refuses one above it or one that is not a number.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def test_toml_file(tmp_path: Path) -> None:
      ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": Infinity}', "d:"),
      ('{"name": "", "a": 0, "b": 0, "c": 0, "d": 0}', "name:"),
      ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": 0, "e": 1}', "e:"),
+     ('{"name": "x", "a": true, "b": 0, "c": 0, "d": 0}', "a:"),
+     ('{"name": "x", "a": 0, "b": "0.5", "c": 0, "d": 0}', "b:"),
+     ('{"name": 7, "a": 0, "b": 0, "c": 0, "d": 0}', "name:"),
      ("{broken", "not valid JSON")],
 )
 def test_bad_files(tmp_path: Path, text: str, needle: str) -> None:

@@ -130,7 +130,9 @@ def load_step_model(spec: str) -> StepTimeModel:
     except RecursionError:
         raise StepTimeModelError(f"{path}: JSON/TOML nested too deeply") from None
     try:
-        parsed = _ModelFile.model_validate(data)
+        # Strict: JSON and TOML carry types, so true or "0.5" is a mistake, not a number
+        # (as in a capacity schedule); an integer still reads as a float.
+        parsed = _ModelFile.model_validate(data, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = error_location(first["loc"], "<root>")
