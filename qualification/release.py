@@ -24,8 +24,11 @@ when the profile is present it must agree with a record (rule 5).
 from __future__ import annotations
 
 import ast
+import errno
 import json
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,10 +61,24 @@ class ReleaseCheck:
         return not self.problems
 
 
+def _read_text(path: Path) -> str:
+    """A file of the release tree or a record, as UTF-8 text.
+
+    Opened non-blocking and checked on the descriptor: a FIFO at one of these paths would
+    otherwise block ``release-check`` forever. It is an OSError (or UnicodeDecodeError) for
+    the caller to list as a problem, like a file that cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return stream.read().decode("utf-8")
+
+
 def read_version(root: Path, problems: list[str]) -> str | None:
     path = root / "src" / "bidkv_ext" / "_version.py"
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = ast.parse(_read_text(path))
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
         # ValueError: NUL bytes (Python 3.11); UnicodeDecodeError: not UTF-8.
         problems.append(
@@ -107,7 +124,7 @@ def _table(
 def _check_pyproject(root: Path, version: str, problems: list[str]) -> dict[str, object]:
     path = root / "pyproject.toml"
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(_read_text(path))
     except (OSError, ValueError, RecursionError) as exc:
         problems.append(
             f"{path}: cannot be read as TOML ({unparsable_reason(exc)}); "
@@ -158,7 +175,7 @@ def _load_manifests(
             problems.append(f"bundle {bundle_id}: no manifest under {dotted}")
             continue
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            doc = json.loads(_read_text(path))
         except (OSError, ValueError, RecursionError) as exc:
             problems.append(
                 f"{path}: cannot be read as JSON ({unparsable_reason(exc)}); "
@@ -180,7 +197,7 @@ def _load_manifests(
 def _check_changelog(root: Path, version: str, problems: list[str]) -> None:
     path = root / "CHANGELOG.md"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
     except FileNotFoundError:
         problems.append("CHANGELOG.md is missing")
         return
@@ -203,7 +220,7 @@ def _iter_records(
                 unreadable.append(f"{path.name} (not a regular file)")
                 continue
             try:
-                doc = json.loads(path.read_text(encoding="utf-8"))
+                doc = json.loads(_read_text(path))
             except (OSError, ValueError, RecursionError) as exc:
                 unreadable.append(f"{path.name} (cannot be read as JSON: {unparsable_reason(exc)})")
                 continue

@@ -5,12 +5,15 @@
 `passed` exactly true, this project's record schema; a record file or a directory) for the
 manifest's valid host range and, when present, its `_manager_runtime_qualification` profile
 (an object; accelerator, model, TP, mode, its runtime commit when the record names one, and
-a passed functional status) must exist; failures list everything missing."""
+a passed functional status) must exist; failures list everything missing, a tree file that
+is not a regular file (a FIFO) included, without waiting on it."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -315,6 +318,34 @@ def test_non_utf8_file_is_a_listed_problem(
     out = capsys.readouterr().out
     (problem,) = [line for line in out.splitlines() if str(path) in line]
     assert "can't decode byte 0xff" in problem and "expected a UTF-8" in problem
+
+
+@pytest.mark.parametrize(
+    "target", ["src/bidkv_ext/_version.py", "pyproject.toml", "manifest", "CHANGELOG.md"]
+)
+def test_a_fifo_in_the_tree_is_a_listed_problem_not_a_hang(
+    tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO where a tree file should be (which a plain open() waits on forever) is one
+    listed problem naming it (exit 1), found at once."""
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    name = "manifests/bidkv/vllm-hust-extension-v0.2.json" if target == "manifest" else target
+    path = root / name
+    path.unlink()
+    os.mkfifo(path)
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), f"release-check blocked on the FIFO at {name}"
+    assert codes == [1]
+    lines = capsys.readouterr().out.splitlines()
+    if target == "manifest":  # the manifest search looks for regular files only
+        assert any("no manifest under manifests.bidkv" in line for line in lines), lines
+    else:
+        assert any(str(path) in line and "not a regular file" in line for line in lines), lines
 
 
 @pytest.mark.parametrize(
