@@ -12,10 +12,11 @@ import hashlib
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -57,6 +58,10 @@ def _directory_name(value: str) -> str:
             f"not '.' or '..'), got {value!r}"
         )
     return value
+
+
+# A profile or cell name: one directory name, checked wherever the field is declared.
+DirectoryName = Annotated[str, AfterValidator(_directory_name)]
 
 
 class _Frozen(BaseModel):
@@ -155,7 +160,7 @@ class WorkloadSpec(_Frozen):
 class CellSpec(_Frozen):
     """One workload cell; a verdict applies to exactly one cell."""
 
-    name: str = Field(min_length=1)
+    name: DirectoryName = Field(min_length=1)
     # serve cells
     paragraph_repeats: tuple[int, ...] = ()
     delays_s: tuple[float, ...] = (0.0,)
@@ -166,11 +171,6 @@ class CellSpec(_Frozen):
     cancel_after_s: float | None = Field(default=None, gt=0)
     # replay cells: extra bidkv-replay arguments (placeholders as in ReplaySpec.args)
     replay_args: tuple[str, ...] = ()
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return _directory_name(value)
 
     @field_validator("paragraph_repeats")
     @classmethod
@@ -195,7 +195,7 @@ class ReplaySpec(_Frozen):
 
 
 class Profile(_Frozen):
-    name: str = Field(min_length=1)
+    name: DirectoryName = Field(min_length=1)
     kind: Literal["serve", "replay"]
     description: str = ""
     accelerator: str = Field(min_length=1)
@@ -219,11 +219,6 @@ class Profile(_Frozen):
     @property
     def source_sha256(self) -> str | None:
         return self._source_sha256
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return _directory_name(value)
 
     @field_validator("host_version_range")
     @classmethod
