@@ -851,6 +851,18 @@ def judge_report(data: bytes) -> tuple[str, tuple[str, ...], int | None]:
     return "accept", (), int(online[0]["requests"])
 
 
+def delete_a_key(draw: st.DrawFn, doc: Any, slots: list[tuple[tuple[Any, ...], Any]]) -> None:
+    """Delete one drawn object key of a JSON document (``slots``: its walk, root left out)."""
+    path = draw(st.sampled_from([p for p, _ in slots if isinstance(p[-1], str)]))
+    del get(doc, path[:-1])[path[-1]]
+
+
+def swap_a_type(draw: st.DrawFn, doc: Any, slots: list[tuple[tuple[Any, ...], Any]]) -> None:
+    """Replace one drawn value of a JSON document by a value of another JSON kind."""
+    path, original = draw(st.sampled_from(slots))
+    put(doc, path, draw(json_values.filter(lambda v: json_kind(v) != json_kind(original))))
+
+
 @st.composite
 def report_bytes(draw: st.DrawFn, kind: str, valid: dict[str, Any]) -> bytes:
     doc = copy.deepcopy(valid)
@@ -859,11 +871,9 @@ def report_bytes(draw: st.DrawFn, kind: str, valid: dict[str, Any]) -> bytes:
     indent = draw(st.sampled_from([None, 2]))
     slots = [(p, v) for p, v in walk(doc) if p]
     if kind == "delete":
-        path = draw(st.sampled_from([p for p, _ in slots if isinstance(p[-1], str)]))
-        del get(doc, path[:-1])[path[-1]]
+        delete_a_key(draw, doc, slots)
     elif kind == "swap":
-        path, original = draw(st.sampled_from(slots))
-        put(doc, path, draw(json_values.filter(lambda v: json_kind(v) != json_kind(original))))
+        swap_a_type(draw, doc, slots)
     elif kind == "extra":
         table = draw(st.sampled_from([p for p, v in walk(doc) if isinstance(v, dict)]))
         get(doc, table)[draw(SHORT_TEXT)] = draw(json_values)
@@ -1176,11 +1186,9 @@ def record_bytes(draw: st.DrawFn, kind: str, valid: bytes) -> bytes:
     doc = json.loads(valid)
     slots = [(p, v) for p, v in walk(doc) if p]
     if kind == "delete":
-        path = draw(st.sampled_from([p for p, _ in slots if isinstance(p[-1], str)]))
-        del get(doc, path[:-1])[path[-1]]
+        delete_a_key(draw, doc, slots)
     elif kind == "swap":
-        path, original = draw(st.sampled_from(slots))
-        put(doc, path, draw(json_values.filter(lambda v: json_kind(v) != json_kind(original))))
+        swap_a_type(draw, doc, slots)
     elif kind == "retext":
         path = draw(st.sampled_from([p for p, v in slots if isinstance(v, str)]))
         put(doc, path, draw(st.sampled_from(RECORD_RETEXTS)))
