@@ -226,7 +226,6 @@ class ElasticPool:
         if blocks_per_page < 1:
             raise ValueError(f"blocks_per_page must be >= 1, got {blocks_per_page}")
         self.pool = block_pool
-        self.schedule = schedule
         self.origin = origin
         # The schedule on the replay clock, computed once. The engine jumps the clock to
         # exactly its change times; turning the clock back into schedule time (now - origin)
