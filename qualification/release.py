@@ -216,7 +216,7 @@ def _iter_records(
     for base in dirs:
         files = [base] if base.is_file() else sorted(base.rglob("*.json")) if base.is_dir() else []
         for path in files:
-            if not path.is_file():  # a FIFO would block the read forever
+            if not path.is_file():  # a FIFO, say: named as such, not as bad JSON
                 unreadable.append(f"{path.name} (not a regular file)")
                 continue
             try:
