@@ -1094,6 +1094,14 @@ def test_bundles_may_share_an_additional_config_key_only_with_one_value(
     else:
         assert code == 2
         assert err.splitlines()[-1] == f"vllm-hust-ext: error: {error}"
+    # `extension env` makes the same check: it never prints an environment `run` refuses.
+    code, out, err = invoke(["extension", "env"], capsys)
+    if error is None:
+        assert code == 0, err
+        assert json.loads(out)["VLLMHUST_EXT_ENABLED_BUNDLES"] == "org.test.p,org.test.q"
+    else:
+        assert (code, out) == (2, "")
+        assert err.splitlines()[-1] == f"vllm-hust-ext: error: {error}"
 
 
 def test_bundles_rendering_different_policies_conflict_by_name(
@@ -1110,6 +1118,13 @@ def test_bundles_rendering_different_policies_conflict_by_name(
     })
     code, _, err = invoke(["run", "--dry-run", "--", "h"], capsys)
     assert code == 2
+    assert err.splitlines()[-1] == (
+        "vllm-hust-ext: error: extensions 'org.test.p' and 'org.test.q' conflict on "
+        "--preemption-policy"
+    )
+    # `extension env` refuses the same pair: its environment would launch neither.
+    code, out, err = invoke(["extension", "env"], capsys)
+    assert (code, out) == (2, "")
     assert err.splitlines()[-1] == (
         "vllm-hust-ext: error: extensions 'org.test.p' and 'org.test.q' conflict on "
         "--preemption-policy"

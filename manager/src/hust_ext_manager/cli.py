@@ -371,7 +371,8 @@ def _merged_additional_config(bundles: Sequence[InstalledBundle]) -> dict[str, A
     return {key: value for key, (_, value) in claims.items()}
 
 
-def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list[str]:
+def _check_option_conflicts(plans: Sequence[dict[str, Any]]) -> None:
+    """§9 (per key): two plans rendering one vLLM option with different values conflict."""
     claims: dict[str, tuple[str, Any]] = {}
     conflict = "extensions '{first}' and '{second}' conflict on {key}"
     for plan_document in plans:
@@ -381,6 +382,10 @@ def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list
             _claim(claims, option, owner, value, conflict)
         for option, value in sorted(generated.get("vllm_options", {}).items()):
             _claim(claims, option, owner, value, conflict)
+
+
+def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list[str]:
+    _check_option_conflicts(plans)
     for plan_document in plans:
         generated = plan_document["generated_config"]
         for option, value in sorted(generated.get("vllm_json_options", {}).items()):
@@ -390,6 +395,18 @@ def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list
         for flag in generated.get("vllm_flags", []):
             command = merge_flag(command, flag)
     return command
+
+
+def _checked_environment() -> dict[str, str]:
+    """`extension env`: the environment `run` would set, after the same cross-bundle
+    conflict checks `run` makes (additional_config keys, options, variables), so `env`
+    never prints an environment that `run` would refuse for a conflict."""
+    state = load_state()
+    bundles = list(discover(state.enabled_ids()))
+    _merged_additional_config(bundles)
+    plans = _plans(bundles, state)
+    _check_option_conflicts(plans)
+    return activation_environment(plans)
 
 
 def build_launch(
@@ -553,8 +570,7 @@ def _extension(args: argparse.Namespace) -> None:
         plan_document = _plans([bundle], state)[0]
         _dump(plan_document if verb == "plan" else provider.render(plan_document))
     elif verb == "env":
-        state = load_state()
-        _dump(activation_environment(_plans(discover(state.enabled_ids()), state)))
+        _dump(_checked_environment())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
