@@ -10,13 +10,15 @@ itself, directly in the ``kvcached`` package and present on disk, counts as the 
 module; torch's local version tag is read without probing; an unparsable vLLM version is
 outside the range, and ``check()`` uses the manifest's own range; ``check()`` imports neither
 kvcached, torch nor vLLM; one failing probe cannot hide the others; the KV-events check
-reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does;
+reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does, and
+never waits on or consumes a ``--config`` that is not a regular file (a FIFO);
 ``kvcached-provider check`` reads the bundle's manifest (its default instance name).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -532,3 +534,26 @@ def test_check_reads_the_managers_context() -> None:
     assert any(line.startswith("the command enables KV-cache events") for line in failed)
     without = [line for ok, line in checks.check(MANIFEST, {}) if not ok]
     assert len(failed) == len(without) + 2
+
+
+def test_a_config_fifo_neither_hangs_the_check_nor_is_read(tmp_path: Path) -> None:
+    """``--config`` naming a FIFO: opening it waited for a writer forever (the manager's
+    ``run`` hung in its checks), and with a writer the check would consume what vLLM was
+    to read. Only a regular file is read; the check must return at once, reading nothing."""
+    fifo = tmp_path / "serve.yaml"
+    os.mkfifo(fifo)
+    code = ("from kvcached_provider import checks\n"
+            f"print(checks.check_kv_events(['vllm', 'serve', 'm', '--config', {str(fifo)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[]\n"
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # the FIFO's content stays for vLLM
+    try:
+        os.write(writer, _NESTED_ON.encode())
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=30)
+        assert done.stdout == "[]\n", done.stderr
+        assert os.read(writer, 1 << 16) == _NESTED_ON.encode()
+    finally:
+        os.close(writer)

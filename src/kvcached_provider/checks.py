@@ -22,6 +22,7 @@ import json
 import os
 import re
 import site
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -457,7 +458,9 @@ def _config_file_options(command: Sequence[str]) -> list[str]:
     holding a mapping: ``key: true`` becomes ``--key``, a list ``--key item...``, a mapping
     ``--key <its JSON>``, anything else ``--key <str(value)>``. A file vLLM would refuse
     (missing, unreadable, another suffix, not a mapping) gives nothing: that launch fails
-    before kvcached matters.
+    before kvcached matters. Only a regular file is read: a FIFO would hang the check (or
+    hand its content to the check instead of vLLM), a device such as ``/dev/zero`` never
+    ends; such a ``--config`` gives nothing either.
     """
     try:
         path = command[list(command).index("--config") + 1]
@@ -466,7 +469,14 @@ def _config_file_options(command: Sequence[str]) -> list[str]:
     if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
         return []
     try:
-        with open(path, encoding="utf-8") as stream:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on a file).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        with open(fd, encoding="utf-8") as stream:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return []
             loaded = yaml.safe_load(stream)
         if not isinstance(loaded, dict):
             return []

@@ -19,9 +19,10 @@ to a socket in it (``/proc/net/unix``: a socket fd does not show its path). This
 and its ancestors (the shell, the manager, init) are never counted.
 
 Only the instance's own paths are removed, only when they are what kvcached leaves there (a
-regular file of ``RECORD_SIZE`` bytes; a real directory holding only sockets: a name alone
-proves nothing), and only when nothing uses them. Any other
-kvcached record in ``/dev/shm`` is reported as possibly stale and left alone. Limits: a
+regular file of ``RECORD_SIZE`` bytes; a real directory holding only sockets, nested no
+deeper than kvcached's ``pp<N>/``: a name alone proves nothing), and only when nothing uses
+them. Any other kvcached record in ``/dev/shm`` (a name kvcached's sanitiser could produce)
+is reported as possibly stale and left alone. Limits: a
 process in another PID namespace that shares ``/dev/shm`` (``--ipc=host``) is invisible
 here, so such deployments should run the cleanup where the engines run; and ``<ipc>_g<N>``
 is taken as group ``N`` of ``<ipc>`` unless a visible process uses an instance named
@@ -40,6 +41,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,12 +54,7 @@ from kvcached_provider.checks import (
     planned_environment,
     shm_dir,
 )
-from kvcached_provider.limit import (
-    RECORD_SIZE,
-    LimitError,
-    is_instance_record,
-    read_control_record,
-)
+from kvcached_provider.limit import RECORD_SIZE, is_instance_record
 
 __all__ = [
     "RECORD_SIZE",
@@ -71,6 +68,7 @@ __all__ = [
 # kvcached's own name when KVCACHED_IPC_NAME is unset: kvcached_<engine>_<pgid>[_<i>].
 _DEFAULT_NAME = re.compile(r"kvcached_[A-Za-z]+_([0-9]+)(?:_[0-9]+)?")
 _PROC = Path("/proc")
+_TOTAL_SIZE = struct.Struct("=q")  # the record's first native int64
 
 
 class CleanupError(ValueError):
@@ -144,9 +142,21 @@ class _Snapshot:
         # Without an explicit name kvcached uses kvcached_<engine>_<pgid>[_<i>]: then every
         # process of that group, whatever its environment, counts.
         groups = {int(m.group(1)) for n in names if (m := _DEFAULT_NAME.fullmatch(n))}
-        prefix = str(path)
+        spellings = _spellings(path)
         return sorted(p.pid for p in self.processes if p.ipc_name in names or p.pgid in groups
-                      or any(f == prefix or f.startswith(prefix + "/") for f in p.paths))
+                      or any(_under(f, spellings) for f in p.paths))
+
+
+def _spellings(path: Path) -> frozenset[str]:
+    """``path`` as given and with its directory resolved: ``/proc`` shows open and mapped
+    files by their resolved absolute path, bound sockets by the path given to ``bind``, so
+    a relative or symlinked directory (``/dev/shm`` -> ``/run/shm``) must match either."""
+    return frozenset({str(path), os.path.join(os.path.realpath(path.parent), path.name)})
+
+
+def _under(found: str, spellings: frozenset[str]) -> bool:
+    """Whether ``found`` is one of ``spellings`` or lies below one of them."""
+    return any(found == s or found.startswith(s + "/") for s in spellings)
 
 
 def _stat_field(entry: Path, index: int) -> int:
@@ -181,7 +191,10 @@ def _ipc_name(entry: Path) -> str | None:
     for item in raw.split(b"\0"):
         key, _, value = item.partition(b"=")
         if key == b"KVCACHED_IPC_NAME" and value:
-            return _sanitized(value.decode(errors="replace"))
+            # Decoded as the engine's os.environ decodes it (surrogateescape), not with
+            # "replace": that folds an invalid byte run into one character, so the name
+            # would differ from kvcached's ("a\xe4\xb8" is "a--" there, not "a-").
+            return _sanitized(os.fsdecode(value))
     return None
 
 
@@ -236,15 +249,34 @@ def _snapshot() -> _Snapshot:
     return _Snapshot(processes, _bound_sockets())
 
 
+def _is_kvcached_name(name: str) -> bool:
+    """Whether kvcached could have named a record ``name``: its sanitiser keeps only
+    alphanumerics, ``_`` and ``-`` (a ``_g<N>`` suffix included). Other names (undecodable
+    bytes, newlines, spaces) are not kvcached's, and would garble or forge report lines."""
+    return bool(name) and all(ch.isalnum() or ch in "_-" for ch in name)
+
+
 def _is_record(path: Path) -> bool:
-    """A file kvctl would list: a control record whose ``total_size`` is positive."""
-    if path.is_symlink():
+    """A file kvctl would list: a regular file of ``RECORD_SIZE`` bytes, ``total_size`` > 0.
+
+    Read without kvcached's shared ``flock``: this only decides what to report, and any
+    unrelated process holding an exclusive lock on a file in ``/dev/shm`` would otherwise
+    hang the cleanup (and the manager's shutdown hook) for as long as it holds it.
+    """
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size != RECORD_SIZE:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
-        record = read_control_record(path.name, path.parent)
-    except LimitError:  # not a regular file of RECORD_SIZE bytes, or unreadable
+        data = os.pread(fd, RECORD_SIZE + 1, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
         return False
-    return record is not None and record.total_size > 0
+    finally:
+        os.close(fd)
+    return len(data) == RECORD_SIZE and _TOTAL_SIZE.unpack_from(data)[0] > 0
 
 
 def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
@@ -260,13 +292,17 @@ def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
         name = path.name
         if is_instance_record(ipc, name):
             own.append(path)
-        elif _is_record(path):
+        elif _is_kvcached_name(name) and _is_record(path):
             other.append(path)
     return own, other
 
 
 def _socket_dir_refusal(directory: Path) -> str | None:
-    """Why ``directory`` is not just kvcached's sockets (``w*.sock``, ``pp<N>/w*.sock``)."""
+    """Why ``directory`` is not just kvcached's sockets (``w*.sock``, ``pp<N>/w*.sock``).
+
+    kvcached nests at most one level (``pp<N>/``); a deeper tree is refused as soon as it is
+    seen, so that a deliberately deep one cannot exhaust the recursion of ``os.walk``.
+    """
     for root, dirs, files in os.walk(directory):
         for name in files:
             path = Path(root) / name
@@ -275,15 +311,27 @@ def _socket_dir_refusal(directory: Path) -> str | None:
         for name in dirs:
             if (Path(root) / name).is_symlink():
                 return f"holds the link {Path(root) / name}; remove it by hand if it is stale"
+        if dirs and Path(root) != directory:
+            return (f"holds the directory {Path(root) / dirs[0]}, nested deeper than "
+                    "kvcached's pp<N>/; remove it by hand if it is stale")
     return None
 
 
 def _remove_tree(directory: Path) -> None:
-    for root, dirs, files in os.walk(directory, topdown=False):
+    """Remove the checked socket directory without ever following a link.
+
+    ``os.walk`` follows ``directory`` itself when it is a link: one swapped in after the
+    checks (``/tmp`` is shared, the name predictable) had the files of its target removed.
+    ``os.fwalk`` with ``follow_symlinks=False`` compares what it opened with an ``lstat``
+    and removes each entry relative to its directory's descriptor; a swapped-in link is
+    left, and the final ``rmdir`` of it fails ("Not a directory").
+    """
+    for _root, dirs, files, root_fd in os.fwalk(directory, topdown=False,
+                                                follow_symlinks=False):
         for name in files:
-            os.unlink(Path(root) / name)
+            os.unlink(name, dir_fd=root_fd)
         for name in dirs:
-            os.rmdir(Path(root) / name)
+            os.rmdir(name, dir_fd=root_fd)
     os.rmdir(directory)
 
 
@@ -325,7 +373,8 @@ def _remove(
     if refusal is not None:
         return refusal
     if socket_dir:
-        bound = sorted(s for s in live.bound_sockets if s.startswith(f"{path}/"))
+        inside = tuple(f"{spelling}/" for spelling in _spellings(path))
+        bound = sorted(s for s in live.bound_sockets if s.startswith(inside))
         if bound:
             return f"a live process is bound to {bound[0]}"
         if not dry_run:
@@ -360,6 +409,10 @@ def cleanup(
         socket_dir = path == sockets
         try:
             why = _remove(path, ipc if socket_dir else path.name, live, dry_run, socket_dir)
+        except FileNotFoundError:
+            # Gone meanwhile: another cleanup of the instance (the manager's shutdown hook
+            # and an operator's) removed it first. Nothing of it is left to keep.
+            why = None
         except OSError as exc:
             why = f"could not be removed ({exc.strerror or exc})"
         if why is None:
