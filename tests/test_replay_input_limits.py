@@ -13,8 +13,8 @@ Guarded behaviours:
 * ``--num-gpu-blocks`` has an upper bound (vLLM builds every block up front);
 * every arm's policy is built in a preflight before any arm runs, so a policy whose
   ``from_vllm_config`` fails (wrong result, KeyError, ValueError) is one line naming the
-  arm, and a failure while the engine is built later is one line naming the arm too; the
-  preflight leaves the global random generators as it found them;
+  arm, and a failure while the engine is built later is one line naming the arm too; each
+  arm runs with the policy instance the preflight built (one constructor call per arm);
 * ``--output-dir ""`` (or blanks) is refused instead of writing into the working directory;
 * CSV traces and capacity schedules may start with a UTF-8 byte-order mark;
 * ``benchmarks/decision_cost.py`` refuses bad ``--sizes``/``--repeat`` as argparse errors;
@@ -219,24 +219,35 @@ class BadValue:
     @classmethod
     def from_vllm_config(cls, config):
         raise ValueError("bad value")
-class SecondBuildFails:
-    built = 0
-    @classmethod
-    def from_vllm_config(cls, config):
-        cls.built += 1
-        if cls.built > 1:
-            raise KeyError("second build")
-        return cls()
+class FactsFlagFails:
+    """Builds, but the host reads wants_host_facts only when its engine is built."""
     def select_victim(self, context):
         return None
-class Drawing:
-    """Seeds itself from the process-wide generators, as plain user code may."""
-    draws = []
+    def select_victim_with_facts(self, context, facts):
+        return None
+    @property
+    def wants_host_facts(self):
+        raise KeyError("engine build")
+class Counted:
+    """Counts its constructor calls and the instances that decide."""
+    built = []
+    decided = set()
     def __init__(self):
-        import random, numpy, torch
-        Drawing.draws.append(
-            (random.random(), float(numpy.random.random()), float(torch.rand(1))))
+        Counted.built.append(self)
     def select_victim(self, context):
+        Counted.decided.add(id(self))
+        return None
+class CountedFactory:
+    """The same, built through from_vllm_config (as the selector is)."""
+    built = []
+    decided = set()
+    @classmethod
+    def from_vllm_config(cls, config):
+        policy = cls()
+        cls.built.append(policy)
+        return policy
+    def select_victim(self, context):
+        CountedFactory.decided.add(id(self))
         return None
 '''
 
@@ -278,32 +289,41 @@ def test_policy_that_fails_to_build_is_refused_before_any_arm(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_preflight_leaves_the_global_generators_as_it_found_them(
+def test_each_policy_is_built_once_and_decides_in_its_arm(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, policy_module: str
 ) -> None:
-    """The preflight builds each policy once more; a policy seeding itself from Python's,
-    numpy's or torch's global generator must draw in the run what it would have drawn
-    without the preflight, so its decisions do not change."""
+    """The preflight builds each arm's policy (a plain class, and one built by
+    ``from_vllm_config``) and the arm runs with that instance: one constructor call per
+    arm, not one in the preflight and another in the engine, and the instance built is
+    the one that decides (the run preempts)."""
     import importlib
 
-    code = main([*QUICK, "--policy-class", f"{policy_module}:Drawing",
+    code = main(["--max-requests", "60", "--num-gpu-blocks", "300",
+                 "--no-progress", "--no-plots", "--policy-class", f"{policy_module}:Counted",
+                 "--policy-class", f"{policy_module}:CountedFactory",
                  "--output-dir", str(tmp_path / "out")])
     capsys.readouterr()
-    draws = importlib.import_module(policy_module).Drawing.draws
-    assert code == 0 and len(draws) == 2  # the preflight's build, then the run's
-    assert draws[0] == draws[1]
+    module = importlib.import_module(policy_module)
+    assert code == 0
+    for cls in (module.Counted, module.CountedFactory):
+        assert len(cls.built) == 1, cls.__name__
+        assert cls.decided == {id(cls.built[0])}, cls.__name__
+    arms = json.loads((tmp_path / "out" / "report.json").read_text())["arms"]
+    assert [a["controller"]["policy_name"] for a in arms] == [
+        f"{policy_module}.Counted", f"{policy_module}.CountedFactory"]
+    assert all(a["controller"]["abstentions"] == a["preemptions"] > 0 for a in arms)
 
 
 def test_engine_build_failure_during_the_run_names_the_arm(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, policy_module: str
 ) -> None:
-    """A policy that passes the preflight and fails when its engine is built: one line
-    naming the arm, no traceback."""
-    spec = f"{policy_module}:SecondBuildFails"
+    """A policy that passes the preflight and fails when its engine is built (the host
+    reads ``wants_host_facts`` then): one line naming the arm, no traceback."""
+    spec = f"{policy_module}:FactsFlagFails"
     line = _refused_in_process(capsys, *QUICK, "--policy-class", spec,
                                "--output-dir", str(tmp_path / "out"))
     assert line == (f"bidkv-replay: error: arm {spec!r}: the engine cannot be built: "
-                    "KeyError: 'second build'")
+                    "KeyError: 'engine build'")
 
 
 # --- 5. empty --output-dir ------------------------------------------------------------

@@ -20,8 +20,9 @@ Bad input (trace rows, files, flags, configuration) prints one line and exits 2.
 is checked before the first arm runs: the cheap checks first, then a preflight that builds
 every arm's vLLM configuration and policy as the engine will (so what only vLLM or the
 policy knows, such as a ``--max-model-len`` vLLM cannot serve or a ``from_vllm_config`` that
-raises, fails there, naming the arm), and last the ``--output-dir`` (created then). So a
-bad input never costs a finished arm. Report files and plots are written atomically
+raises, fails there, naming the arm; each arm then runs with the policy built there, so a
+policy is built once), and last the ``--output-dir`` (created then). So a bad input never
+costs a finished arm. Report files and plots are written atomically
 (temporary file in the directory + ``os.replace``); a figure JSON cannot hold (infinity)
 fails only the file that holds it, with one line naming the figure.
 """
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bidkv_ext.contract import PreemptionPolicy
 from bidkv_ext.replay import jsontext
 from bidkv_ext.replay.arms import (
     Arm,
@@ -331,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
         capacity_signals=args.capacity_signals,
     )
     try:
-        preflight_arms(requests, arms, settings)
+        policies = preflight_arms(requests, arms, settings)
     except ReplayError as exc:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
@@ -353,7 +355,8 @@ def _run(args: argparse.Namespace) -> int:
         "attribution": SAMPLE_ATTRIBUTION if is_sample else None,
     }
     try:
-        results, ttfts, speeds, walls = _replay_all(requests, arms, settings, step_model, args)
+        results, ttfts, speeds, walls = _replay_all(requests, arms, policies, settings,
+                                                    step_model, args)
     except ReplayError as exc:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
@@ -377,6 +380,7 @@ def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float, trace: 
 def _replay_all(
     requests: tuple[TraceRequest, ...],
     arms: tuple[Arm, ...],
+    policies: Sequence[PreemptionPolicy | None],
     settings: Any,
     step_model: Any,
     args: argparse.Namespace,
@@ -394,9 +398,10 @@ def _replay_all(
     total = len(requests) * len(arms)
     with tqdm(total=total, unit="req", file=sys.stderr, delay=2.0,
               disable=args.no_progress, desc="replay") as bar:
-        for arm in arms:
+        # Each arm runs with the policy the preflight built for it (built once, used once).
+        for arm, policy in zip(arms, policies, strict=True):
             bar.set_postfix_str(arm.label)
-            run = run_arm(requests, arm, settings, step_model, progress=bar)
+            run = run_arm(requests, arm, settings, step_model, progress=bar, policy=policy)
             metrics = arm_metrics(run)
             results.append(metrics)
             ttfts.append((arm.label, [o.first_token - o.arrival for o in run.outcomes

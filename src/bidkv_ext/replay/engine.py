@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from bidkv_ext.config import BidKVConfig
+from bidkv_ext.contract import PreemptionPolicy
 from bidkv_ext.replay.arms import Arm, arm_additional_config, error_line
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
@@ -208,19 +209,25 @@ def run_arm(
     step_model: StepTimeModel,
     *,
     progress: Progress | None = None,
+    policy: PreemptionPolicy | None = None,
 ) -> ArmRun:
-    """Replay ``requests`` (sorted by arrival) with ``arm``'s policy; see the module doc."""
+    """Replay ``requests`` (sorted by arrival) with ``arm``'s policy; see the module doc.
+
+    ``policy`` is the arm's policy as :func:`preflight_arms` built it, used as it is (one
+    run per built policy: a policy may keep state between decisions); without it the host
+    builds the arm's policy here.
+    """
     offline = _host()
     from vllm.v1.core.sched import scheduler as sched_module
     from vllm.v1.outputs import ModelRunnerOutput
 
+    _check_requests(requests, settings)
     ids = [str(r.index) for r in requests]
-    true_output = _true_output(requests)
+    spec = arm.factory(_true_output(requests)) if policy is None else _built_spec(policy)
     try:
         vllm_config, kv_cache_config = _vllm_config(offline, arm, settings)
         scheduler = offline.build_scheduler(
-            vllm_config, kv_cache_config, preemption_policy=arm.factory(true_output),
-            log_stats=False,
+            vllm_config, kv_cache_config, preemption_policy=spec, log_stats=False,
         )
     except Exception as exc:
         # The arm's own code (its from_vllm_config) runs here and may raise anything.
@@ -266,6 +273,25 @@ def run_arm(
     )
 
 
+def _check_requests(requests: Sequence[TraceRequest], settings: ReplaySettings) -> None:
+    """Refuse, before any step, a request the scheduler cannot replay as the trace says.
+
+    vLLM rejects a ``max_tokens`` below 1 only when the request is admitted (with
+    ``max_tokens="model-len"``, a prompt of ``max_model_len`` tokens or more), mid-replay;
+    and it ends a request at ``max_model_len`` tokens, so a longer prompt plus output, or an
+    output of 0 tokens, would finish with another output length than the trace's.
+    ``select_requests`` removes such requests from a trace (and counts them).
+    """
+    limit = settings.max_model_len
+    for r in requests:
+        if r.input_length < 1 or r.output_length < 1:
+            raise ReplayError(f"request {r.index}: {r.input_length} prompt and "
+                              f"{r.output_length} output tokens; expected at least 1 of each")
+        if r.input_length + r.output_length > limit:
+            raise ReplayError(f"request {r.index}: {r.input_length} prompt + {r.output_length} "
+                              f"output tokens exceed max_model_len {limit}")
+
+
 def _true_output(requests: Sequence[TraceRequest]) -> dict[str, int]:
     return {str(r.index): r.output_length for r in requests}
 
@@ -287,54 +313,53 @@ def _vllm_config(offline: ModuleType, arm: Arm, settings: ReplaySettings) -> tup
 
 def preflight_arms(
     requests: Sequence[TraceRequest], arms: Sequence[Arm], settings: ReplaySettings
-) -> None:
+) -> list[PreemptionPolicy | None]:
     """Build every arm's vLLM configuration and policy as :func:`run_arm` will, before any
-    arm runs, so a policy that fails to build costs no finished arm.
+    arm runs, so a policy that fails to build costs no finished arm; returns the policies in
+    arm order, for :func:`run_arm` (``policy=``) to use as they are.
 
     vLLM's configuration errors are ValueErrors naming the setting and propagate as such
     (the same for every arm); anything else, and every error of the policy's own code
     (``from_vllm_config``, its constructor, a result that is no policy), becomes a
-    :class:`ReplayError` naming the arm. The policies built here are dropped; the engine's
-    scheduler is not built, so no evidence event is emitted twice. A policy's constructor
-    thus runs once more per arm: the global random generators (Python's, numpy's, torch's)
-    are restored afterwards, so a policy that seeds itself from them decides as without
-    the preflight; other side effects of its constructor happen twice.
+    :class:`ReplayError` naming the arm. The engine's scheduler is not built here, so no
+    evidence event is emitted twice, and each policy's constructor runs once: all of them
+    before the first arm runs (a policy that draws from the process-wide random generators
+    in its constructor draws in arm order, before any arm's replay).
     """
     from bidkv_ext.controller import load_policy
 
     offline = _host()
     true_output = _true_output(requests)
-    with _global_rng_kept():
-        for arm in arms:
-            try:
-                vllm_config, _ = _vllm_config(offline, arm, settings)
-            except ValueError:
-                raise
-            except Exception as exc:
-                raise ReplayError(f"arm {arm.label!r}: the engine's configuration cannot be "
-                                  f"built: {error_line(exc)}") from None
-            try:
-                load_policy(arm.factory(true_output), vllm_config)
-            except Exception as exc:
-                raise ReplayError(f"arm {arm.label!r}: its policy cannot be built: "
-                                  f"{error_line(exc)}") from None
+    built: list[PreemptionPolicy | None] = []
+    for arm in arms:
+        try:
+            vllm_config, _ = _vllm_config(offline, arm, settings)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ReplayError(f"arm {arm.label!r}: the engine's configuration cannot be "
+                              f"built: {error_line(exc)}") from None
+        try:
+            built.append(load_policy(arm.factory(true_output), vllm_config))
+        except Exception as exc:
+            raise ReplayError(f"arm {arm.label!r}: its policy cannot be built: "
+                              f"{error_line(exc)}") from None
+    return built
 
 
-@contextmanager
-def _global_rng_kept() -> Iterator[None]:
-    """Restore the process-wide random generators a policy constructor may draw from."""
-    import random
+def _built_spec(policy: PreemptionPolicy) -> type:
+    """A policy spec the host's loader turns into ``policy`` itself.
 
-    import numpy as np
-    import torch
+    The loader re-creates an instance whose class has ``from_vllm_config`` (as vLLM-HUST
+    does), so the built instance is handed over by a class whose factory returns it.
+    """
 
-    python, legacy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(legacy)
-        torch.set_rng_state(cpu)
+    class BuiltPolicy:
+        @classmethod
+        def from_vllm_config(cls, vllm_config: object) -> PreemptionPolicy:
+            return policy
+
+    return BuiltPolicy
 
 
 def _observed_run(
@@ -563,13 +588,19 @@ class _Loop:
             if change is not None:
                 events.append(change)
         if not events:
+            waiting = self.scheduler.waiting
+            stuck = "a request"
+            if waiting:
+                r = self.requests[self.index[waiting.peek_request().request_id]]
+                stuck = (f"request {r.index} ({r.input_length} prompt + {r.output_length} "
+                         "output tokens)")
             if self.elastic is not None:
                 raise ReplayError(
-                    "the scheduler cannot make progress: a request needs more KV blocks than "
+                    f"the scheduler cannot make progress: {stuck} needs more KV blocks than "
                     f"the capacity schedule's final {self.elastic.target} blocks provide"
                 )
             raise ReplayError(
-                "the scheduler cannot make progress: a request needs more KV "
+                f"the scheduler cannot make progress: {stuck} needs more KV "
                 "blocks than --num-gpu-blocks provides"
             )
         return max(now, min(events))
