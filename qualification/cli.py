@@ -1,17 +1,22 @@
 """Command line: ``python -m qualification {run,release-check,profiles}``.
 
 Exit codes: 0 gate (or release check) passed; 1 it did not; 2 bad input or an environment
-that cannot run the profile (one line on stderr, no traceback).
+that cannot run the profile (one line on stderr, no traceback); 130 interrupted (SIGINT)
+and 143 terminated (SIGTERM), in both cases after the running arm's server was stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 from qualification.errors import QualificationError, one_line
 from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
@@ -116,11 +121,35 @@ def _release_check(args: argparse.Namespace) -> int:
     return 1
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the run is so that its ``finally`` blocks stop the server."""
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    # Once: a second SIGTERM must not cut short the stop of the arm's server, whose
+    # manager and engine run in their own sessions and would be orphaned.
+    signal.signal(signal.SIGTERM, lambda _s, _f: None)
+    raise _Terminated
+
+
+@contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            return _run(args)
+            with _sigterm_stops_the_run():
+                return _run(args)
         if args.command == "release-check":
             return _release_check(args)
         for path in sorted(PROFILE_DIR.glob("*.toml")):
@@ -132,3 +161,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qualification: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("qualification: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM

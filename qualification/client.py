@@ -17,7 +17,24 @@ from dataclasses import dataclass
 
 import aiohttp
 
-__all__ = ["RequestResult", "RequestSpec", "fetch_text", "run_requests", "stream_completion"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "RequestResult",
+    "RequestSpec",
+    "ResponseTooLarge",
+    "fetch_text",
+    "run_requests",
+    "stream_completion",
+]
+
+
+# A real /metrics is well under a megabyte; one past this is garbage that would take
+# gigabytes of memory to parse (fetch_text reads and decodes the whole body).
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ResponseTooLarge(aiohttp.ClientPayloadError):
+    """A ``fetch_text`` body past its byte limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +64,8 @@ class RequestResult:
 
     @property
     def text_hash(self) -> str:
-        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()[:16]
+        # A stream may carry a lone surrogate (JSON "\ud800"): hash it, never raise.
+        return hashlib.sha256(self.text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +76,15 @@ class Sampling:
     ignore_eos: bool
 
 
+# Counts feed float arithmetic (throughput, TPOT, recomputed tokens): one past 2**53 is
+# garbage, and one past float's range would raise OverflowError there.
+_MAX_TOKEN_COUNT = 2**53
+
+
 def _token_count(usage: dict[str, object], key: str, default: int | None) -> int | None:
-    """A non-negative integer count from a usage object, else ``default``."""
+    """A non-negative integer count (at most 2**53) from a usage object, else ``default``."""
     value = usage.get(key)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
         return value
     return default
 
@@ -104,7 +127,7 @@ async def stream_completion(
         ) as response:
             status = response.status
             if response.status != 200:
-                body = (await response.text())[:200]
+                body = (await response.text())[:200].strip()
                 raise RuntimeError(f"HTTP {response.status}: {body}")
             async for raw in response.content:
                 line = raw.decode("utf-8", "replace").strip()
@@ -191,11 +214,20 @@ async def run_requests(
     return sorted(results, key=lambda r: r.index), makespan
 
 
-async def fetch_text(base_url: str, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
-    """GET a small endpoint (``/health``, ``/metrics``); raises aiohttp errors."""
+async def fetch_text(
+    base_url: str, path: str, timeout_s: float = 10.0, limit: int = MAX_BODY_BYTES
+) -> tuple[int, str]:
+    """GET a small endpoint (``/health``, ``/metrics``); raises aiohttp errors, and
+    :class:`ResponseTooLarge` past ``limit`` bytes. The body is UTF-8 (the Prometheus text
+    format's encoding); an undecodable byte becomes U+FFFD, so only its line is lost."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    body = bytearray()
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
         session.get(f"{base_url}{path}") as response,
     ):
-        return response.status, await response.text()
+        async for chunk in response.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                raise ResponseTooLarge(f"{path} answered more than {limit} bytes")
+        return response.status, body.decode("utf-8", "replace")

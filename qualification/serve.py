@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -22,7 +23,15 @@ from pathlib import Path
 
 import aiohttp
 
-from qualification.client import RequestResult, RequestSpec, Sampling, fetch_text, run_requests
+from qualification.client import (
+    RequestResult,
+    RequestSpec,
+    ResponseTooLarge,
+    Sampling,
+    fetch_text,
+    run_requests,
+)
+from qualification.errors import one_line
 from qualification.evidence import (
     Samples,
     counters_from_evidence,
@@ -134,6 +143,16 @@ def recomputed_prompt_tokens(local_compute: float | None, client: int | None) ->
     return None if local_compute is None or client is None else local_compute - client
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether something already accepts connections where the arm's server will listen:
+    its /health would answer for a server that never bound the port."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
 def _exit_note(proc: subprocess.Popen[bytes]) -> str:
     """Whether the server itself went away, not only its endpoint (it may take a moment)."""
     try:
@@ -171,6 +190,12 @@ class ServeArm:
         env = self.session.environment(serve_environment(server, arm))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        if _port_in_use(server.host, server.port):
+            why = (
+                f"port {server.port} on {server.host} is already in use by another process; "
+                "the arm's server was not started"
+            )
+            return ArmResult.not_started(arm, why, wall_s=0.0, command=tuple(argv))
         down = "server did not start"
         with self.log_path.open("wb") as log:
             proc = subprocess.Popen(
@@ -233,7 +258,8 @@ class ServeArm:
             # The engine died (or /metrics hung) mid-arm: a failed arm with its reason,
             # never an exception that would lose the arms already finished.
             reason = str(exc) or type(exc).__name__
-            return replace(load, error=f"engine stopped answering /metrics {stage}: {reason}")
+            what = "sent an oversized" if isinstance(exc, ResponseTooLarge) else "stopped answering"
+            return replace(load, error=f"engine {what} /metrics {stage}: {reason}")
 
     async def _metrics(self) -> str:
         _, text = await fetch_text(self.base_url, "/metrics")
@@ -353,7 +379,8 @@ class ServeArm:
     def _error(load: _Load) -> str | None:
         errors = [] if load.warmup.ok else [f"warm-up failed: {load.warmup.error}"]
         errors += [load.error] if load.error else []
-        return "; ".join(errors) or None
+        # One line: a server's error body may hold line breaks (report.md lists it).
+        return one_line("; ".join(errors)) or None
 
     @staticmethod
     def _prompt_tokens(load: _Load, before: Samples, after: Samples) -> dict[str, object]:
