@@ -358,14 +358,25 @@ def test_a_malformed_request_is_answered_invalid_request(
     assert pool.capacity_pages == 4
 
 
-def test_concurrent_commands_never_share_a_revision(dirs: tuple[Path, Path]) -> None:
-    procs = [_cli({}, "--ipc", IPC, "--timeout", "0.1", "--json", f"{i + 1}G") for i in range(4)]
-    revisions = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1, err
-        revisions.append(json.loads(out)["revision"])
-    assert sorted(revisions) == [1, 2, 3, 4]
+def test_concurrent_commands_never_share_a_revision(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
+) -> None:
+    """Commands for one instance queue (each waits for the one before at most its
+    --timeout) and each gets its own revision."""
+    responder = LimitResponder(IPC, poll_s=0.02)
+    responder.start()
+    try:
+        procs = [_cli({}, "--ipc", IPC, "--timeout", "20", "--json", f"{i + 1}G")
+                 for i in range(4)]
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            results.append(json.loads(out))
+    finally:
+        responder.stop()
+    assert sorted(r["revision"] for r in results) == [1, 2, 3, 4]
+    assert {r["status"] for r in results} == {"applied"}
     assert stored(dirs[0])["revision"] == 4
 
 
@@ -654,7 +665,8 @@ def test_a_full_disk_before_sending_is_one_line_and_keeps_the_state(
                    "its previous content is kept: free space or set "
                    "KVCACHED_PROVIDER_STATE_DIR to a writable directory\n")
     assert state.read_bytes() == before
-    assert sorted(p.name for p in dirs[0].iterdir()) == ["instances.json", "instances.lock"]
+    assert sorted(p.name for p in dirs[0].iterdir()) == ["instances.json", "instances.lock",
+                                                         "locks"]
     assert pool.capacity_pages == 3  # still the 24M limit: 16M was never sent
 
 

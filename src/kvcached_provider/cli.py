@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the instance's KVCACHED_IPC_NAME")
     limit.add_argument("size", metavar="SIZE", help="limit, e.g. 512M, 8G or bytes")
     limit.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                       help="seconds to wait for the engine's answer (default 5)")
+                       help="seconds to wait for the engine's answer, and at most as long "
+                            "for another limit command of the instance to finish (default 5)")
     limit.add_argument("--adopt", action="store_true",
                        help="skip the start-up comparison that detects a pre-existing kvctl "
                             "limit on the first revisioned limit of an engine run")

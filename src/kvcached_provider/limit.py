@@ -22,7 +22,10 @@ Where the API is called
       (:mod:`kvcached_provider.activation`), claims it only in the process that holds
       registered pools (the EngineCore), calls the API there and writes the answer.
       No answer within the timeout -> ``unavailable`` (``no_engine_responder``): nothing was
-      applied, because the command withdraws the request before reporting.
+      applied, because the command withdraws the request before reporting. Each request
+      carries a random ``request_id`` that the engine echoes in its answer; the command
+      takes only the answer bearing its own, never one an engine wrote for an earlier
+      request of the same revision (a lost state file restarts the counter).
       The responder runs on its own thread, while kvcached locks a pool only under vLLM's
       async scheduling (a no-op lock otherwise, the scheduler thread being its only user):
       so it first gives each pool a real ``RLock``, which every mutating method takes, and
@@ -42,7 +45,12 @@ Revisions
     so no two requests -- even after a crash -- ever reuse one (a reused revision with a
     different limit is a ``conflict``). A ``stale`` answer moves the counter past the
     revision the pools reported. An engine restart resets kvcached's revision, which a
-    higher revision from us always passes.
+    higher revision from us always passes. The state file's lock is held only to read and
+    save it; a per-instance lock (``locks/<ipc>.lock``), held from reserving a revision to
+    saving its outcome, sends one instance's requests one at a time, in revision order. A
+    command that finds another one of the instance still waiting gives up after its own
+    timeout: ``unavailable`` / ``limit_in_progress``, nothing sent. Commands for other
+    instances never wait for it.
 
 Refusing to mix with ``kvctl`` (our design; kvcached records no owner in the segment)
     The control record has no owner field, so ownership is inferred:
@@ -71,6 +79,7 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
 import struct
 import sys
@@ -382,19 +391,45 @@ class _RevisionStore:
         self.directory = directory
         self.path = directory / "instances.json"
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
+    def _open_lock(self, path: Path) -> int:
         try:
-            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.directory / "instances.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise LimitError(
                 f"cannot use state directory {self.directory}: {exc.strerror}; set "
                 "KVCACHED_PROVIDER_STATE_DIR to a writable directory"
             ) from exc
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The state file's lock: held only to read, change and save it, never while
+        waiting for an engine."""
+        fd = self._open_lock(self.directory / "instances.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def exchange(self, ipc: str, timeout_s: float) -> Iterator[bool]:
+        """Instance ``ipc``'s lock, held from reserving a revision until its outcome is
+        saved, so that one instance's requests go out one at a time, in revision order.
+        Yields False when another command still held it after ``timeout_s``."""
+        fd = self._open_lock(self.directory / "locks" / f"{ipc}.lock")
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    time.sleep(_POLL_S)
+            yield True
         finally:
             os.close(fd)
 
@@ -601,10 +636,16 @@ def _read_answer(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _wait_for(path: Path, deadline: float) -> dict[str, Any] | None:
+def _wait_for(path: Path, request_id: str, deadline: float) -> dict[str, Any] | None:
+    """The answer to request ``request_id``; None if none came by ``deadline``.
+
+    An answer file of the same revision but another request (one an engine wrote after its
+    command had given up, read again once a lost state file restarted the counter) is not
+    this request's: it is passed over until the engine replaces it with this one's.
+    """
     while True:
         data = _read_answer(path)
-        if data is not None:
+        if data is not None and data.get("request_id") == request_id:
             return data
         if time.monotonic() >= deadline:
             return None
@@ -632,10 +673,12 @@ def _withdraw(request: Path) -> bool:
     return True
 
 
-def _wait_or_withdraw(request: Path, answer: Path, deadline: float) -> dict[str, Any] | None:
+def _wait_or_withdraw(
+    request: Path, answer: Path, request_id: str, deadline: float
+) -> dict[str, Any] | None:
     """``_wait_for``, but a bad answer first withdraws the request, so it never applies."""
     try:
-        return _wait_for(answer, deadline)
+        return _wait_for(answer, request_id, deadline)
     except LimitError as exc:
         outcome = ("the request was withdrawn and nothing was applied" if _withdraw(request)
                    else "the engine had claimed the request, so the limit may be in force")
@@ -650,15 +693,16 @@ def _via_engine(
     _open_mailbox(box)
     request = box / f"req-{revision}.json"
     answer = box / f"ans-{revision}.json"
+    request_id = secrets.token_hex(16)  # the engine echoes it in this request's answer
     try:
         _write_json_atomic(request, {
             "schema": _REQUEST_SCHEMA, "ipc_name": ipc, "limit_bytes": limit_bytes,
-            "revision": revision, "check_startup": check_startup,
+            "revision": revision, "check_startup": check_startup, "request_id": request_id,
         })
     except OSError as exc:
         raise LimitError(f"cannot write limit request {request}: {exc.strerror}") from exc
     try:
-        return _exchange(ipc, limit_bytes, revision, request, answer, timeout_s)
+        return _exchange(ipc, limit_bytes, revision, request, answer, request_id, timeout_s)
     except KeyboardInterrupt as exc:  # an abandoned request must not apply later either
         outcome = ("the request was withdrawn and nothing was applied" if _withdraw(request)
                    else "the engine had claimed the request, so the limit may be in force")
@@ -666,10 +710,11 @@ def _via_engine(
 
 
 def _exchange(
-    ipc: str, limit_bytes: int, revision: int, request: Path, answer: Path, timeout_s: float
+    ipc: str, limit_bytes: int, revision: int, request: Path, answer: Path, request_id: str,
+    timeout_s: float,
 ) -> LimitResult:
     """Wait for the engine's answer to ``request``; withdraw it if none comes in time."""
-    data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
+    data = _wait_or_withdraw(request, answer, request_id, time.monotonic() + timeout_s)
     if data is None:
         if _withdraw(request):  # an unclaimed request must not apply later
             return LimitResult.refused(
@@ -680,7 +725,7 @@ def _exchange(
                        "its vLLM plugin serves limit requests?); nothing was applied",
             )
         # Claimed meanwhile: the engine is applying it; give it one more timeout.
-        data = _wait_or_withdraw(request, answer, time.monotonic() + timeout_s)
+        data = _wait_or_withdraw(request, answer, request_id, time.monotonic() + timeout_s)
         if data is None:
             return LimitResult.refused(
                 ipc, limit_bytes, revision, status="unavailable",
@@ -734,25 +779,29 @@ class LimitResponder:
                 os.rename(request, claimed)
             except FileNotFoundError:
                 continue  # withdrawn by the client or claimed by another process
-            self._answer(claimed)
+            self._answer(claimed, request.stem[4:])
             answered += 1
         return answered
 
-    def _answer(self, claimed: Path) -> None:
+    def _answer(self, claimed: Path, suffix: str) -> None:
+        """Answer the request claimed as ``claimed`` (sent as ``req-<suffix>.json``) in
+        ``ans-<suffix>.json``, the file its command waits on, echoing its ``request_id``."""
+        request_id = ""
         try:
             body = json.loads(_read_text(claimed))
             if body.get("schema") != _REQUEST_SCHEMA or body.get("ipc_name") != self.ipc:
                 raise ValueError("unexpected request schema or instance")
+            request_id = str(body.get("request_id") or "")
             revision = int(body["revision"])
             result = apply_here(self.ipc, int(body["limit_bytes"]), revision,
                                 check_startup=bool(body.get("check_startup")), via="engine",
                                 shm=self.shm)
         except Exception as exc:  # every claimed request gets an answer
-            match = re.search(r"claimed-(\d+)-", claimed.name)
-            revision = int(match.group(1)) if match else 0
+            revision = int(suffix) if suffix.isascii() and suffix.isdecimal() else 0
             result = LimitResult.refused(self.ipc, 0, revision, status="rejected",
                                          reason="invalid_request", detail=str(exc), via="engine")
-        _write_json_atomic(claimed.with_name(f"ans-{result.revision}.json"), result.to_dict())
+        _write_json_atomic(claimed.with_name(f"ans-{suffix}.json"),
+                           {**result.to_dict(), "request_id": request_id})
         with contextlib.suppress(FileNotFoundError):
             claimed.unlink()
 
@@ -792,19 +841,27 @@ def set_limit(
     base = directory if directory is not None else state_dir()
     shm_path = shm if shm is not None else shm_dir()
     store = _RevisionStore(base)
-    with store.locked():
-        state = store.load()
-        entry = state.instances.get(ipc)
-        revision = entry.revision + 1 if entry is not None else 1
-        violation, has_marker = _kvctl_change(entry, _instance_records(ipc, shm_path), shm_path)
-        if violation is not None:
-            return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
-                                       reason="kvctl_limit_detected", detail=violation)
-        entry = entry or _Instance(revision=0)
-        # Reserve the revision before sending it, so that it is never reused.
-        entry = entry.model_copy(update={"revision": revision})
-        state.instances[ipc] = entry
-        store.save(state)
+    with store.exchange(ipc, timeout_s) as free:
+        if not free:
+            return LimitResult.refused(
+                ipc, limit_bytes, 0, status="unavailable", reason="limit_in_progress",
+                detail=f"another `kvcached-provider limit` for instance {ipc!r} was still "
+                       f"waiting for the engine after {timeout_s:g} s; nothing was sent",
+            )
+        with store.locked():
+            state = store.load()
+            entry = state.instances.get(ipc)
+            revision = entry.revision + 1 if entry is not None else 1
+            violation, has_marker = _kvctl_change(entry, _instance_records(ipc, shm_path),
+                                                  shm_path)
+            if violation is not None:
+                return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
+                                           reason="kvctl_limit_detected", detail=violation)
+            # Reserve the revision before sending it, so that it is never reused.
+            entry = (entry or _Instance(revision=0)).model_copy(update={"revision": revision})
+            state.instances[ipc] = entry
+            store.save(state)
+        # The state file is free while the request is out: other instances' limits go on.
         check_startup = not has_marker and not adopt
         if _serves(ipc):
             result = apply_here(ipc, limit_bytes, revision, check_startup=check_startup,
@@ -818,16 +875,20 @@ def set_limit(
         if result.status == "stale":
             seen = [int(p.get("revision", 0) or 0) for p in result.pools]
             update["revision"] = max([revision, *seen])
-        state.instances[ipc] = entry.model_copy(update=update)
-        _save_outcome(store, state, result)
+        _save_outcome(store, ipc, entry.model_copy(update=update), result)
     return result
 
 
-def _save_outcome(store: _RevisionStore, state: _State, result: LimitResult) -> None:
-    """Record a sent request's outcome; if that fails, say what the engine did, which the
+def _save_outcome(store: _RevisionStore, ipc: str, entry: _Instance, result: LimitResult
+                  ) -> None:
+    """Record a sent request's outcome in the state file as it is now (other instances'
+    entries may have changed meanwhile); if that fails, say what the engine did, which the
     error would otherwise hide (the revision itself was saved before sending)."""
     try:
-        store.save(state)
+        with store.locked():
+            state = store.load()
+            state.instances[ipc] = entry
+            store.save(state)
     except LimitError as exc:
         raise LimitError(
             f"limit {result.status} at revision {result.revision} (via {result.via}), but {exc}"
