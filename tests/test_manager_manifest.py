@@ -9,7 +9,9 @@ BidKV manifest satisfies the official manager's published rules (manager-protoco
 and nullable fields are accepted, activation pairs print sorted by key, the activation
 blocker needs *every* Python carrier descriptor-only, legacy Bundle v1 manifests go to the
 legacy rules, only a local editable ``direct_url.json`` is searched, strict discovery keeps
-the requested order, and ``list`` reports duplicates and nameless distributions.
+the requested order, and ``list`` reports duplicates and nameless distributions. The
+first failure in §1.1's validation order wins, and no verb (up to ``run --dry-run``)
+imports the bundle's manifest package, its implementation module or the host.
 
 Bundles are registered through a throw-away ``*.dist-info`` directory on ``sys.path``, the
 same metadata an installed wheel provides, and the CLI runs in-process (fast).
@@ -381,6 +383,55 @@ def test_malformed_manifest_is_refused_naming_the_field(
 
 def test_at_least_thirty_malformed_cases() -> None:
     assert len(MALFORMED) >= 30
+
+
+# §1.1 validation order, first failure wins: each field broken in its own way.
+VALIDATION_ORDER: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
+    ("keys", _set("name", "x"), "experimental manifest has unknown=['name'] missing=[]"),
+    ("extension_id", _set("extension_id", "Bad"), "extension_id is invalid"),
+    (
+        "extension_version",
+        _set("extension_version", "v?"),
+        "extension_version is not a valid version",
+    ),
+    ("kind", _set("kind", "policy"), "kind contains unsupported values: ['policy']"),
+    (
+        "lifecycle_owner",
+        _set("lifecycle_owner", "me"),
+        "lifecycle_owner contains unsupported values: ['me']",
+    ),
+    (
+        "components",
+        _set("components[0].component_id", "Bad"),
+        "components[0].component_id is invalid",
+    ),
+    ("activation", _set("activation.name", "x"), "activation contains unknown fields: ['name']"),
+    ("host", _set("host.provider", "Bad"), "host.provider is invalid"),
+    ("runtime", _set("runtime.extra", "x"), "runtime requires type, process_scope, and isolation"),
+    ("protocols", _set("protocols", {}), "protocols must be an array"),
+    ("implementation", _set("implementation", []), "implementation must be a non-empty array"),
+    ("requires_services", _set("requires_services", {}), "requires_services must be an array"),
+]
+
+
+@pytest.mark.parametrize(
+    "index", range(len(VALIDATION_ORDER)), ids=[c[0] for c in VALIDATION_ORDER]
+)
+def test_the_first_failure_in_validation_order_wins(
+    isolated: Path, capsys: pytest.CaptureFixture[str], index: int
+) -> None:
+    """§1.1: with this field and every later one broken, this field's error is reported."""
+    document = base_manifest()
+    for _, mutate, _ in VALIDATION_ORDER[index:]:
+        document = mutate(document)
+    files = {"fakepkg/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode()}
+    write_dist(isolated, "fake-bundle", {TEST_ID: "fakepkg.m"}, files)
+    code, _, err = invoke(["extension", "validate", TEST_ID], capsys)
+    assert code == 2
+    expected = VALIDATION_ORDER[index][2]
+    assert err.strip().splitlines()[-1] == (
+        f"vllm-hust-ext: error: {TEST_ID!r} manifest is invalid: {expected}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -929,3 +980,73 @@ def test_bidkv_registration_points_at_a_static_directory() -> None:
     value = project["project"]["entry-points"]["vllm_hust.extension_bundles"]["org.vllm-hust.bidkv"]
     assert re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value)
     assert (ROOT / Path(*value.split(".")) / "vllm-hust-extension-v0.2.json").is_file()
+
+
+def test_no_verb_imports_the_bundle_or_the_host(
+    isolated: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§2 and §4: discovery, ``inspect``/``validate`` (static parse only) and the vLLM
+    provider read metadata and files; neither the bundle's manifest package, its
+    implementation module nor the host package is ever imported, by any verb up to
+    ``run --dry-run``."""
+    marker = tmp_path / "imported"
+    poison = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n".encode()
+    document = base_manifest()
+    document["implementation"] = [
+        {
+            "type": "python_module",
+            "module": "fakepoison.impl",
+            "object": "Policy",
+            "status": "active",
+        }
+    ]
+    document["components"][0]["implementation_ref"] = "fakepoison.impl:Policy"
+    write_dist(
+        isolated,
+        "fake-poison",
+        {TEST_ID: "fakepoison.m"},
+        {
+            "fakepoison/__init__.py": poison,
+            "fakepoison/m/__init__.py": poison,
+            "fakepoison/m/vllm-hust-extension-v0.2.json": json.dumps(document).encode(),
+            "fakepoison/impl.py": poison,
+        },
+    )
+    # A host in range that ships the preemption contract, so status is compatible and
+    # run proceeds; every module of it is poisoned too.
+    host = isolated / "host"
+    write_dist(
+        host,
+        "vllm",
+        {},
+        {"vllm/__init__.py": poison, "vllm/v1/core/sched/preemption.py": poison},
+        version="0.28.5",
+    )
+    import sys
+
+    sys.path.insert(0, str(host))
+    settings = tmp_path / "settings.json"
+    settings.write_text("{}")
+    try:
+        for argv in (
+            ["extension", "list"],
+            ["extension", "list", "--json"],
+            ["extension", "inspect", TEST_ID],
+            ["extension", "validate", TEST_ID],
+            ["extension", "configure", TEST_ID, "--file", str(settings)],
+            ["extension", "enable", TEST_ID],
+            ["extension", "status", TEST_ID],
+            ["extension", "check", TEST_ID],
+            ["extension", "plan", TEST_ID],
+            ["extension", "render", TEST_ID],
+            ["extension", "env"],
+            ["run", "--dry-run", "--", "x"],
+            ["extension", "disable", TEST_ID],
+        ):
+            code, out, err = invoke(argv, capsys)
+            assert code == 0, (argv, err)
+            if argv[1] == "status":
+                assert "compatible" in json.loads(out)["states"]
+    finally:
+        sys.path.remove(str(host))
+    assert not marker.exists(), marker.read_text()

@@ -20,7 +20,7 @@ never lifts a failed check and needs ``status: passed`` and every profile key; o
 and multiple services; a descriptor-only bundle is never launched; plugin modules shipped
 as packages or extensions, or under ``src/`` of a source checkout found by its
 ``.egg-info`` (never for an installed RECORD), platform plugins, and ``VLLM_PLUGINS``
-composition.
+composition. Controller counters (an evidence line's ``stats``) never appear in status.
 """
 
 from __future__ import annotations
@@ -450,6 +450,27 @@ def test_which_live_lines_count_as_runtime_effective(
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
     (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
     assert ("runtime_effective" in status("org.test.p", capsys)["states"]) is effective
+
+
+def test_controller_counters_never_appear_in_status(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§5.1: a live ``effective`` line sets ``runtime_effective`` with one evidence line
+    naming the launch, pid and event; the line's controller counters (``stats``) are never
+    shown."""
+    install(site, {"org.test.p": BASE})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    line = _live_line(stats={"preemptions": 7123, "policy_calls": 4567, "fallbacks": 891})
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
+    code, out, err = invoke(["extension", "status", "org.test.p"], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["states"][-1] == "runtime_effective"
+    assert shown["evidence"][-1] == (
+        f"live runtime evidence launch_id=l pid={os.getpid()} event=effective"
+    )
+    for counter in ("preemptions", "policy_calls", "fallbacks", "7123", "4567", "891"):
+        assert counter not in out
 
 
 def test_a_line_from_another_machine_is_not_live(

@@ -93,9 +93,37 @@ def _detected_protocols(host_name: str) -> dict[str, str]:
     return {PREEMPTION_PROTOCOL: "1.0"} if host_has_preemption_contract(host_name) else {}
 
 
+# Operators whose pre-release version lets a range match pre-releases (packaging 24's rule;
+# an exclusive ``<``/``>``/``!=`` naming one does not).
+_PRERELEASE_OPERATORS = frozenset({"==", ">=", "<=", "~=", "==="})
+
+
+def _names_prerelease(specifiers: SpecifierSet) -> bool:
+    """Whether the range itself names a pre-release (``>=0.28.1rc1.dev319`` does)."""
+    for specifier in specifiers:
+        if specifier.operator not in _PRERELEASE_OPERATORS:
+            continue
+        text = specifier.version
+        if specifier.operator == "==":
+            text = text.removesuffix(".*")
+        try:
+            if Version(text).is_prerelease:
+                return True
+        except InvalidVersion:  # an arbitrary ``===`` string names no version
+            continue
+    return False
+
+
 def _in_range(version: str, spec: str) -> bool:
+    """``version`` in the PEP 440 range; pre-releases match only when the range names one.
+
+    The pre-release rule is spelled out rather than left to ``Version(v) in
+    SpecifierSet(r)``: newer packaging releases (26.x) accept ``1.1rc1`` in ``>=1,<2``
+    there, while packaging 24 (the official manager's floor) and the protocol do not.
+    """
     try:
-        return Version(version) in SpecifierSet(spec)
+        specifiers = SpecifierSet(spec)
+        return specifiers.contains(Version(version), prereleases=_names_prerelease(specifiers))
     except (InvalidVersion, InvalidSpecifier):
         return False  # an unparsable version counts as outside
 
