@@ -251,3 +251,45 @@ def test_empty_environment_boolean_means_false() -> None:
     config = BidKVConfig.from_sources(None, {"BIDKV_UTILITY_ENABLE": ""})
     assert config.enabled is False and not config.is_active
     assert BidKVConfig.from_sources(None, {"BIDKV_UTILITY_KILL_SWITCH": ""}).kill_switch is False
+
+
+def test_every_reference_setting_maps_to_its_own_field() -> None:
+    """README: the reference BidKV's settings are read as the same settings, its gating and
+    snapshot knobs are refused (reference-lessons.md section 5 lists them). Each reference
+    top-level ``additional_config`` key sets exactly its counterpart (a distinct value per
+    key, so a key read into the wrong field shows), and its kill switch wins over its
+    enable flag; each reference environment variable is accepted the same way, and each
+    reference knob without a counterpart is refused under both spellings."""
+    reference = {
+        "enable_utility_victim_selection": True,
+        "utility_strategy": "static-random",
+        "utility_completion_weight": 0.5,
+        "utility_preempt_weight": 0.3,
+        "utility_liveness_preemptions": 2,
+        "utility_cascade_gain_ratio": 1.5,
+        "utility_epsilon": 1e-6,
+        "utility_default_max_tokens": 256,
+    }
+    config = BidKVConfig.from_sources(reference, {})
+    assert config.is_active and not config.kill_switch
+    assert (config.strategy, config.completion_weight, config.preempt_weight) == (
+        "static-random", 0.5, 0.3)
+    assert (config.liveness_preemptions, config.cascade_gain_ratio) == (2, 1.5)
+    assert (config.epsilon, config.default_max_tokens) == (1e-6, 256)
+    killed = BidKVConfig.from_sources({**reference, "utility_kill_switch": True}, {})
+    assert killed.kill_switch and killed.enabled and not killed.is_active
+    environ = {
+        "BIDKV_UTILITY_ENABLE": "1", "BIDKV_UTILITY_STRATEGY": "static-random",
+        "BIDKV_UTILITY_COMPLETION_WEIGHT": "0.5", "BIDKV_UTILITY_PREEMPT_WEIGHT": "0.3",
+        "BIDKV_UTILITY_LIVENESS_PREEMPTIONS": "2", "BIDKV_UTILITY_CASCADE_GAIN_RATIO": "1.5",
+        "BIDKV_UTILITY_EPSILON": "1e-6", "BIDKV_UTILITY_DEFAULT_MAX_TOKENS": "256",
+    }
+    assert BidKVConfig.from_sources(None, environ) == config
+    assert not BidKVConfig.from_sources(
+        None, {**environ, "BIDKV_UTILITY_KILL_SWITCH": "1"}).is_active
+    for knob in ("kv_gate", "cooldown_s", "min_running", "snapshot_enabled",
+                 "snapshot_top_k", "snapshot_history_size"):
+        with pytest.raises(ConfigError, match="is a reference BidKV setting this policy"):
+            BidKVConfig.from_sources({f"utility_{knob}": 1}, {})
+        with pytest.raises(ConfigError, match="is not a BidKV setting"):
+            BidKVConfig.from_sources(None, {f"BIDKV_UTILITY_{knob.upper()}": "1"})

@@ -219,3 +219,48 @@ def test_position_hint_names_the_victim_after_the_guard_filtered() -> None:
     # in the second decision it has spent its budget, so the victim comes from the filter.
     assert victims[0] == "r" and victims[1] != "r"
     assert policy.barrier_decisions == 0
+
+
+@pytest.mark.parametrize("crowd", [0, 60])
+def test_priority_scheduling_never_takes_a_more_urgent_victim(crowd: int) -> None:
+    """docs/policy.md: under ``priority`` scheduling only the least urgent priority class is
+    eligible, in the Python path and in the array path (48+ candidates in that class)
+    alike. Here the more urgent requests lose far less on recompute (50-100 tokens against
+    1,000-3,000), so under FCFS the utility takes one of them; under priority it takes the
+    best of the least urgent class (priority 3): "lazy_small", the one with the least to
+    recompute, not the host's own victim "lazy_big"."""
+    cands = [cand("urgent", computed=100, output=5, priority=0),
+             *(cand(f"u{i}", computed=50, output=5, priority=1) for i in range(crowd)),
+             cand("lazy_big", computed=3000, output=5, priority=3),
+             *(cand(f"l{i}", computed=2000, output=5, priority=3) for i in range(crowd)),
+             cand("lazy_small", computed=1000, output=5, priority=3),
+             cand("req", computed=200, output=5, prompt=195, priority=0)]
+    config = BidKVConfig(enabled=True, cascade_gain_ratio=1.0)
+    fcfs = BidkvPreemptionPolicy(config).select_victim(ctx(cands, requester="req"))
+    assert fcfs == ("urgent" if crowd == 0 else "u59")
+    chosen = BidkvPreemptionPolicy(config).select_victim(
+        ctx(cands, requester="req", policy="priority", builtin="lazy_big"))
+    assert chosen == "lazy_small"
+
+
+def test_cascade_guard_compares_utilities_not_computed_tokens() -> None:
+    """docs/policy.md, cascade guard: the requester is taken when its own U, times the
+    ratio, reaches the best U (the reference compared computed tokens). The requester is
+    prefilling (5,000 tokens to place, one 2,048-token chunk: 128 blocks); nobody frees
+    that alone, so a cascade would follow the best victim "mid" (113 blocks).
+    U_mid = 113 / (1864 * (1 + 32/1051)) = 0.0589. With 1,000 computed tokens the
+    requester's U = 63 / (1064 * (1 + 32/1056)) = 0.0575: within 1.25 of mid's, so the
+    guard takes it, though 1,000 * 1.25 < 1,800 computed tokens. With 1,700 computed and
+    the first-token term on (the requester has no output yet: delta doubles) its U is
+    107 / (1764 * (1 + 32/1056) * 2) = 0.0294, beyond the ratio, so "mid" stays, though
+    1,700 * 1.25 >= 1,800."""
+
+    def pick(requester_computed: int, **settings: float) -> str | None:
+        cands = [cand("mid", computed=1800, output=5, prompt=1795),
+                 cand("req", computed=requester_computed, output=0, prompt=6000)]
+        config = BidKVConfig(enabled=True, prefix_caching=False, cascade_gain_ratio=1.25,
+                             **settings)  # type: ignore[arg-type]
+        return BidkvPreemptionPolicy(config).select_victim(ctx(cands, requester="req"))
+
+    assert pick(1000) == "req"
+    assert pick(1700, first_token_weight=1.0) == "mid"

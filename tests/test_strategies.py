@@ -7,8 +7,9 @@ given; the catalog configures the peers from the policy's settings (``seed`` for
 ``shortest-remaining``, ``block_size`` for ``cost-aware``); ``random`` reaches every
 candidate; ``shortest-remaining`` counts the output already produced and substitutes the
 default for a missing ``max_tokens``; ``cost-aware`` rounds blocks up, counts output in the
-current tokens and damps by generation progress; ties of the max-score peers go to the
-newest.
+current tokens and damps by generation progress, without clamping the damping past a
+request's cap; ties of the max-score peers go to the newest; ``priority`` is vLLM's PRIORITY
+victim, max ``(priority, arrival_time)``, the first in running order on an exact tie.
 """
 
 from __future__ import annotations
@@ -222,3 +223,36 @@ def test_sglang_full_ties_go_to_the_last_in_batch_order() -> None:
     tied = [cand("x", output=3, prompt=100), cand("y", output=3, prompt=100),
             cand("z", output=4, prompt=100)]
     assert select("sglang", tied) == "y"
+
+
+def test_cost_aware_damping_is_not_clamped_past_the_cap() -> None:
+    """evaluation.md's ``B / max(1, T) * (1 - O / max(1, M))`` has no clamp: a request past
+    its cap (O > M) scores below zero, and the rule takes the highest score (the least
+    negative one), not the newest of a tie at zero."""
+    # Both 10 blocks over 160 current tokens (1/16 per token). "a": 1 - 60/30 = -1, so
+    # S = -1/16; "b": 1 - 40/10 = -3, so S = -3/16. The highest is "a".
+    past = [cand("a", computed=160, prompt=100, output=60, max_tokens=30),
+            cand("b", computed=160, prompt=120, output=40, max_tokens=10)]
+    assert select("cost-aware", past) == "a"
+    # A missing max_tokens (0) counts as M = max(1, 0) = 1: "c" 10/160 * (1 - 3) = -1/8,
+    # "d" 20/320 * (1 - 2) = -1/16, so "d", though it is not the newest.
+    unknown = [cand("d", computed=320, prompt=318, output=2, max_tokens=0),
+               cand("c", computed=160, prompt=157, output=3, max_tokens=0)]
+    assert select("cost-aware", unknown) == "d"
+
+
+def test_priority_is_vllms_priority_victim() -> None:
+    """``priority`` is vLLM's PRIORITY victim (evaluation.md section 2, preemption-contract.md
+    section 6): max ``(priority, arrival_time)``. With equal priorities that is the latest
+    arrival wherever it sits in the running list (not the tail), and on an exact tie Python's
+    ``max`` keeps the first in running order."""
+    from bidkv_ext.controller import builtin_victim_id
+
+    equal = [cand("x", priority=1, arrival=5.0), cand("y", priority=1, arrival=9.0),
+             cand("z", priority=1, arrival=2.0)]
+    tied = [cand("p", priority=1, arrival=3.0), cand("q", priority=1, arrival=3.0),
+            cand("r", priority=0, arrival=9.0)]
+    for cands, expected in ((equal, "y"), (tied, "p")):
+        assert select("priority", cands) == expected
+        # The host's own built-in victim under priority scheduling is the same request.
+        assert builtin_victim_id(ctx(cands, policy="priority")) == expected

@@ -140,6 +140,8 @@ class CostAware:
 
     ``B`` is estimated as ``ceil(num_computed_tokens / block_size)`` (the contract has no
     block counts), ``T`` is prompt + output tokens, ``O`` output tokens, ``M`` max_tokens.
+    The damping is not clamped: past its cap (``O > M``) a request scores below zero, and
+    the rule still takes the highest score. Ties go to the newest.
     """
 
     name: str = "cost-aware"
@@ -150,13 +152,12 @@ class CostAware:
     ) -> PreemptionCandidate | None:
         bs = self.block_size
         best: PreemptionCandidate | None = None
-        best_score = -1.0
+        best_score = 0.0
         for c in reversed(candidates):
             blocks = -(-c.num_computed_tokens // bs)
             current = max(1, c.num_prompt_tokens + c.num_output_tokens)
-            progress = c.num_output_tokens / max(1, c.max_tokens)
-            score = blocks / current * (1.0 - min(progress, 1.0))
-            if score > best_score:
+            score = blocks / current * (1.0 - c.num_output_tokens / max(1, c.max_tokens))
+            if best is None or score > best_score:
                 best, best_score = c, score
         return best
 
