@@ -1,7 +1,9 @@
 """Guards: the liveness bound holds per epoch, state is bounded, the cascade guard and
 priority classes behave as documented; ties go to the built-in victim. A negative liveness
 threshold is refused, and after the guard has set the favourite aside the selector's
-position hint never names another request than the victim."""
+position hint never names another request than the victim. An abstention that leaves the
+decision to a host victim which has spent its budget is the epoch's barrier, so the bound
+holds for strategies that abstain too."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections import Counter
 import pytest
 
 from bidkv_ext.config import BidKVConfig
+from bidkv_ext.contract import CandidateFacts, PreemptionContextFacts
 from bidkv_ext.controller import PolicyController
 from bidkv_ext.selector import BidkvPreemptionPolicy
 from tests.policy_helpers import cand, ctx
@@ -264,3 +267,32 @@ def test_cascade_guard_compares_utilities_not_computed_tokens() -> None:
 
     assert pick(1000) == "req"
     assert pick(1700, first_token_weight=1.0) == "mid"
+
+
+def test_an_abstention_on_a_spent_host_victim_is_the_epochs_barrier() -> None:
+    """The bound holds when the strategy abstains: here only ``x`` frees blocks (the others
+    hold only blocks shared with each other), so once ``x`` has spent its budget every
+    eligible candidate frees nothing and bidkv abstains. The host then preempts its own
+    victim, ``x`` again; that decision must be the epoch's barrier (a new epoch), or ``x``
+    is preempted past threshold + 1 in one epoch (6 times at threshold 1 before the fix)."""
+    policy = BidkvPreemptionPolicy(
+        BidKVConfig(enabled=True, liveness_preemptions=1, cascade_gain_ratio=1.0)
+    )
+    controller = PolicyController(policy)
+    cands = {"s1": cand("s1", computed=320, output=5), "s2": cand("s2", computed=320, output=5),
+             "req": cand("req", computed=200, output=5, prompt=195),
+             "x": cand("x", computed=320, output=5)}
+    facts = PreemptionContextFacts(16, 1, {
+        "s1": CandidateFacts(0, 0, 20), "s2": CandidateFacts(0, 0, 20),
+        "req": CandidateFacts(0, 0, 13), "x": CandidateFacts(20, 0, 20)})
+    history: list[tuple[int, str]] = []
+    for _ in range(6):
+        order = [cands[k] for k in ("s1", "s2", "req", "x")]
+        epoch = policy.liveness.epochs
+        victim = controller.select_victim(ctx(order, requester="req", builtin="x"), facts)
+        history.append((epoch, victim))
+        cands[victim] = dataclasses.replace(
+            cands[victim], num_preemptions=cands[victim].num_preemptions + 1)
+    assert {victim for _, victim in history} == {"x"}  # nothing else frees a block
+    assert max(Counter(history).values()) <= 2  # threshold + 1
+    assert policy.barrier_decisions >= 2

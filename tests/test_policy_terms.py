@@ -2,7 +2,9 @@
 
 U = r / (delta + epsilon), delta = (base_cost + recompute_weight * lost) * (1 + preempt_weight
 * P) * (1 + completion_weight * H / (H + remaining)) * (1 + first_token_weight * [no output]).
-Each test pins one term to the value the table in docs/policy.md gives it.
+Each test pins one term to the value the table in docs/policy.md gives it. r is capped at
+the requester's shortfall even when the requester is not eligible, and ties go to the host's
+PRIORITY victim when the host names none.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import pytest
 
 from bidkv_ext.config import BidKVConfig
 from bidkv_ext.contract import CandidateFacts, PreemptionContextFacts
+from bidkv_ext.selector import BidkvPreemptionPolicy
 from bidkv_ext.strategies.utility import UtilityParams, UtilityStrategy
-from tests.policy_helpers import cand
+from tests.policy_helpers import cand, ctx
 
 EPS = BidKVConfig().epsilon
 BASE = BidKVConfig().base_cost
@@ -115,9 +118,6 @@ def test_shared_blocks_are_certain_hits_under_default_settings() -> None:
 def test_shared_blocks_steer_the_choice_between_equal_candidates() -> None:
     """Two candidates alike but for sharing: the one whose blocks are mostly shared loses
     less on return, so under the default settings BidKV preempts it."""
-    from bidkv_ext.selector import BidkvPreemptionPolicy
-    from tests.policy_helpers import ctx
-
     cands = [cand("shared", computed=330, output=10), cand("private", computed=330, output=10),
              cand("req", computed=200, output=5, prompt=196)]
     facts = PreemptionContextFacts(
@@ -130,3 +130,41 @@ def test_shared_blocks_steer_the_choice_between_equal_candidates() -> None:
     policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
     # "shared": lost 330 - 16 * 16 = 74 tokens; "req": 200; "private": 330.
     assert policy.select_victim_with_facts(ctx(cands, requester="req"), facts) == "shared"
+
+
+def test_the_shortfall_is_the_requesters_when_it_may_not_be_the_victim() -> None:
+    """r is capped at the requester's need also when the requester is not eligible: under
+    ``priority`` an urgent prefilling requester (4,500 tokens to go: one 2,048-token chunk,
+    128 blocks) is outside the least urgent class, and ``big`` (150 blocks) is the only
+    victim that frees that alone. Before, the need fell back to one block there, and the
+    small victim won (a cascade of preemptions for one chunk)."""
+    config = BidKVConfig(enabled=True, prefix_caching=False, cascade_gain_ratio=1.0)
+    urgent = cand("req", computed=1500, output=0, prompt=6000, priority=0)
+    small = cand("small", computed=320, output=5, prompt=315, priority=3)
+    big = cand("big", computed=2400, output=5, prompt=2395, priority=3)
+    context = ctx([urgent, small, big], requester="req", policy="priority", builtin="big")
+    assert BidkvPreemptionPolicy(config).select_victim(context) == "big"
+    # The same shortfall when the liveness guard sets the requester aside (FCFS): the
+    # favourite ``big1`` and the requester have both spent their budget of 8.
+    spent_requester = cand("req", computed=1500, output=0, prompt=6000, preemptions=8)
+    fcfs = [cand("big1", computed=2400, output=5, prompt=2395, preemptions=8),
+            cand("small", computed=320, output=5, prompt=315),
+            cand("big2", computed=3000, output=5, prompt=2995), spent_requester]
+    assert BidkvPreemptionPolicy(config).select_victim(ctx(fcfs, requester="req")) == "big2"
+
+
+@pytest.mark.parametrize("named", [None, "gone"], ids=["unnamed", "stale"])
+def test_priority_ties_go_to_the_hosts_victim_when_the_host_names_none(
+    named: str | None,
+) -> None:
+    """Ties go to the host's built-in victim also when the host names none or a stale one
+    (an API 1.0 host): under ``priority`` that is the latest arrival of the least urgent
+    class (preemption-contract.md section 6), here ``late`` at the head of the list, not
+    the tail ``early``."""
+    config = BidKVConfig(enabled=True, cascade_gain_ratio=1.0)
+    tied = [cand("late", computed=320, output=5, arrival=9.0),
+            cand("early", computed=320, output=5, arrival=1.0),
+            cand("req", computed=640, output=5, prompt=635, arrival=5.0)]
+    for builtin in ("late", named):
+        context = ctx(tied, requester="req", policy="priority", builtin=builtin)
+        assert BidkvPreemptionPolicy(config).select_victim(context) == "late"

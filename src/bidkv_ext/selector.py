@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bidkv_ext.config import BidKVConfig
-from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
+from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts, candidate_index
 from bidkv_ext.controller import builtin_victim_id
 from bidkv_ext.guards import LivenessGuard
 from bidkv_ext.strategies import StrategyRegistry, VictimStrategy, default_registry
@@ -116,6 +116,7 @@ class BidkvPreemptionPolicy:
                 self._barrier(context)
                 return None
         if choice is None:
+            self._abstain(context)
             return None
         # Where the victim sits in context.candidates, when the strategy knows it cheaply:
         # lets PolicyController validate the answer in O(1) instead of a scan.
@@ -125,6 +126,18 @@ class BidkvPreemptionPolicy:
                 "bidkv victim=%s requester=%s", choice.request_id, context.requesting_request_id
             )
         return choice.request_id
+
+    def _abstain(self, context: PreemptionContext) -> None:
+        # An abstention hands the decision to the host's victim. When that one has spent
+        # its budget, this is the epoch's barrier decision: without it, a strategy that
+        # abstains (every eligible candidate frees nothing) would let the host preempt the
+        # same request past threshold + 1 in one epoch.
+        guard = self._guard
+        if guard.threshold and context.candidates:
+            candidates = context.candidates
+            host = candidates[candidate_index(candidates, builtin_victim_id(context))]
+            if not guard.allows(host):
+                self._barrier(context)
 
     def _barrier(self, context: PreemptionContext) -> None:
         # Every candidate spent its budget in this epoch: one built-in decision, new epoch.

@@ -67,6 +67,7 @@ from bidkv_ext.contract import (
     PreemptionContextFacts,
     candidate_index,
 )
+from bidkv_ext.controller import builtin_victim_id
 from bidkv_ext.strategies.base import Candidates
 from kvcached_provider.signals import current_signals
 
@@ -167,7 +168,11 @@ class UtilityStrategy:
         known: dict[int, int] = {}
         requester = _locate(candidates, context.requesting_request_id, known)
         builtin = _locate(candidates, context.builtin_victim_id, known)
-        need = self._needed_blocks(requester, facts)
+        if builtin is None and context.scheduling_policy == "priority":
+            # No valid host victim named (an API 1.0 host): ties still go to the host's
+            # PRIORITY victim, as the controller would fall back to it (contract section 6).
+            builtin = _locate(candidates, builtin_victim_id(context), known)
+        need = self._needed_blocks(self._asker(requester, candidates, context), facts)
         # Page awareness needs the host's per-candidate page counts and a live shrink;
         # without either the score is exactly the plain one.
         self._shrinking = facts is not None and _capacity_shrinking()
@@ -191,6 +196,20 @@ class UtilityStrategy:
                 index = candidate_index(candidates, best.request_id)
             self.last_index = index
         return best
+
+    @staticmethod
+    def _asker(
+        requester: PreemptionCandidate | None,
+        candidates: Candidates,
+        context: PreemptionContext,
+    ) -> PreemptionCandidate | None:
+        """The requester whose shortfall r is capped at, also when it may not be the victim
+        (a more urgent priority class, or set aside by the liveness guard): the blocks it
+        needs do not change with who is eligible."""
+        if requester is not None or candidates is context.candidates:
+            return requester
+        index = candidate_index(context.candidates, context.requesting_request_id)
+        return context.candidates[index] if index >= 0 else None
 
     # -- scoring -----------------------------------------------------------------------
 
