@@ -360,9 +360,19 @@ def _bootstrap_median(values: list[float], resamples: int = 10_000) -> tuple[flo
 
     rng = np.random.default_rng(0)
     data = np.asarray(values)
-    medians = np.median(rng.choice(data, size=(resamples, data.size)), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(low), float(high)
+    medians = np.sort(np.median(rng.choice(data, size=(resamples, data.size)), axis=1))
+    return _linear_percentile(medians, 2.5), _linear_percentile(medians, 97.5)
+
+
+def _linear_percentile(ordered: Any, q: float) -> float:
+    """The q-th percentile of the sorted ``ordered`` by linear interpolation between order
+    statistics (numpy's default method), where an order statistic hit exactly or two equal
+    neighbours give that value: a ratio of ``inf`` (:func:`ratio_of`, the peer recomputed
+    nothing) stays ``inf``, where ``np.percentile`` computes inf - inf and returns NaN."""
+    h = (len(ordered) - 1) * (q / 100)
+    lo = int(h)
+    a, b = float(ordered[lo]), float(ordered[min(lo + 1, len(ordered) - 1)])
+    return a if h == lo or a == b else a + (b - a) * (h - lo)
 
 
 def _ratio(runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, peer: str) -> str:
