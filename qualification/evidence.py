@@ -80,10 +80,18 @@ def counters_from_metrics(
     before: Samples, after: Samples
 ) -> tuple[dict[str, int] | None, bool | None]:
     counters: dict[str, int] = {}
+    absent: list[str] = []
     for event in COUNTER_NAMES:
         delta = metric_delta(before, after, "vllm:preemption_policy_events", event=event)
-        if delta is not None and math.isfinite(delta):  # NaN/+Inf samples: no count
+        if delta is None:
+            absent.append(event)
+        elif math.isfinite(delta):  # NaN/+Inf samples: no count
             counters[event] = round(delta)
+    if counters:
+        # A labelled counter's series exists only once it has counted (prometheus_client
+        # creates a label set on first use): within a family that is there, an event with
+        # no series has counted nothing. A series whose sample is NaN/Inf stays unknown.
+        counters.update(dict.fromkeys(absent, 0))
     enabled_value = gauge(after, "vllm:preemption_policy_enabled")
     enabled = None if enabled_value is None else enabled_value >= 1
     return (counters or None), enabled

@@ -244,13 +244,15 @@ def _record_in_range(
             return f"host version {host_version} outside {host_range}"
     except InvalidVersion:
         return f"host version {host_version!r} is not a version"
-    profile = doc.get("profile")
-    accelerator = profile.get("accelerator") if isinstance(profile, Mapping) else None
+    rec_profile = doc.get("profile")
+    profile = rec_profile if isinstance(rec_profile, Mapping) else {}
+    accelerator = profile.get("accelerator")
     if not isinstance(accelerator, str) or not accelerator:
         return "names no accelerator"
-    if accelerator == CI_ACCELERATOR:
+    if accelerator == CI_ACCELERATOR or profile.get("kind") == "replay":
         # qualification.md §9: the CPU replay gates CI; a release needs a run on the
-        # accelerator and model it names (the cuda or ascend-tp4 profile).
+        # accelerator and model it names (the cuda or ascend-tp4 profile). A replay profile
+        # runs no accelerator whatever its free-text `accelerator` says.
         return "a CPU replay record is the CI gate, not a release qualification"
     return None
 

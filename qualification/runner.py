@@ -8,6 +8,7 @@ Arm order within a pair is ``(cell_index + repetition) % 2``: 0 runs the baselin
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import importlib.metadata
 import os
@@ -134,7 +135,30 @@ def _accelerator_facts(kind: str) -> dict[str, object]:
         out = subprocess.run(probe, capture_output=True, text=True, check=False)
         facts["devices"] = out.stdout.strip().splitlines()[:16]
     facts["torch"] = _dist_version("torch")
+    facts["cuda"] = _torch_cuda()
     return facts
+
+
+def _torch_cuda() -> str | None:
+    """The CUDA version torch was built with (``torch.version.cuda``, qualification.md §9
+    "record ... CUDA"), read from torch's ``version.py`` without importing torch; None
+    for a CPU or ROCm build, or when torch is not installed."""
+    try:
+        path = Path(str(importlib.metadata.distribution("torch").locate_file("torch/version.py")))
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (importlib.metadata.PackageNotFoundError, OSError, UnicodeDecodeError,
+            SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "cuda" for t in targets):
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                return value.value
+            return None
+    return None
 
 
 def host_facts(profile: Profile) -> dict[str, object]:

@@ -36,6 +36,8 @@ Label = Literal[
 ]
 
 COUNTER_NAMES = ("calls", "selections", "abstentions", "failures", "invalid_selections")
+# The counters the "zero policy failures" gate reads (qualification.md §6 gate 7).
+FAULT_COUNTERS = ("failures", "invalid_selections")
 # Metrics reported as paired deltas; the first two decide the verdict.
 DELTA_METRICS = ("throughput", "latency_p95", "ttft_p95", "latency_p50", "ttft_p50")
 MIN_PAIRS = 3
@@ -258,7 +260,14 @@ def evaluate_gates(
         if a.arm == "candidate" and a.counters is None:
             policy_faults.append(f"repeat {r} candidate: policy counters unavailable")
         elif a.counters is not None:
-            bad = {k: a.counters.get(k, 0) for k in ("failures", "invalid_selections")}
+            # The candidate must report both fault counters: one it lacks is unknown, not
+            # zero (export_stats() and the host's metrics carry all five).
+            missing = [k for k in FAULT_COUNTERS if k not in a.counters]
+            if a.arm == "candidate" and missing:
+                policy_faults.append(
+                    f"repeat {r} candidate: {', '.join(missing)} counter(s) unavailable"
+                )
+            bad = {k: a.counters.get(k, 0) for k in FAULT_COUNTERS}
             if any(bad.values()):
                 policy_faults.append(f"repeat {r} {a.arm}: {bad}")
     gates.append(_gate("zero-policy-failures", policy_faults))

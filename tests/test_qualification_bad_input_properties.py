@@ -1531,7 +1531,9 @@ def test_a_non_finite_policy_counter_is_no_count(value: str) -> None:
         f'vllm:preemption_policy_events_total{{event="calls"}} {value}\n'
         'vllm:preemption_policy_events_total{event="selections"} 2\n'
     )
-    assert counters_from_metrics(before, after) == ({"selections": 2}, None)
+    # calls stays unknown (its sample is not a count); the events with no series are 0.
+    unused = {"abstentions": 0, "failures": 0, "invalid_selections": 0}
+    assert counters_from_metrics(before, after) == ({"selections": 2, **unused}, None)
 
 
 @pytest.mark.parametrize(
@@ -1539,7 +1541,9 @@ def test_a_non_finite_policy_counter_is_no_count(value: str) -> None:
     [
         ('{engine="0",event="calls"} +Inf\nX{engine="1",event="calls"} -Inf', None),
         ('{engine="0",event="calls"} 1e308\nX{engine="1",event="calls"} 1e308', None),
-        ('{engine="0",event="calls"} 2\nX{engine="1",event="calls"} 3', {"calls": 4}),
+        ('{engine="0",event="calls"} 2\nX{engine="1",event="calls"} 3',
+         {"calls": 4, "selections": 0, "abstentions": 0, "failures": 0,
+          "invalid_selections": 0}),
     ],
 )
 def test_summing_extreme_policy_counters_is_no_crash(

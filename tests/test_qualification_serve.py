@@ -199,10 +199,13 @@ def _events(calls: int, selections: int, enabled: int) -> str:
 
 
 def test_policy_counters_and_enabled_gauge_from_metrics() -> None:
-    """Deltas per event summed over engines; the enabled gauge reads 1 as enabled."""
+    """Deltas per event summed over engines; an event with no series in a family that is
+    there has counted nothing (a label set exists only once used); the enabled gauge reads
+    1 as enabled."""
     before = parse_prometheus(_events(2, 1, 1))
     counters, enabled = counters_from_metrics(before, parse_prometheus(_events(7, 3, 1)))
-    assert counters == {"calls": 10, "selections": 2}
+    assert counters == {"calls": 10, "selections": 2, "abstentions": 0, "failures": 0,
+                        "invalid_selections": 0}
     assert enabled is True
     _, enabled = counters_from_metrics(before, parse_prometheus(_events(7, 3, 0)))
     assert enabled is False

@@ -1,6 +1,8 @@
 """Guards the per-cell verdict rules (qualification.md §7, one test per label, including
-`inconclusive` when a candidate repeat made zero policy calls), the functional gates, and
-the arm-order alternation."""
+`inconclusive` when a candidate repeat made zero policy calls, rule 1 before rule 2, and
+strict throughput bounds), the functional gates (a candidate missing a fault counter, a
+repeat without short outputs and a baseline that selected a victim all fail; a drain at
+the bound passes), and the arm-order alternation."""
 
 from __future__ import annotations
 
@@ -147,6 +149,25 @@ def test_policy_failures_fail_the_gate() -> None:
     assert [g.name for g in outcome.gates if g.status == "fail"] == ["zero-policy-failures"]
 
 
+@pytest.mark.parametrize("absent", ["failures", "invalid_selections"])
+def test_a_missing_fault_counter_fails_the_gate(absent: str) -> None:
+    """qualification.md §6 gate 7 (zero policy failures and invalid selections): a
+    candidate whose counters lack one of the two is unknown, not zero, so the gate fails
+    and the cell is not classified; the baseline (built-in victim) need not report them."""
+    counters = {"calls": 5, "selections": 1, "abstentions": 4, "failures": 0,
+                "invalid_selections": 0}
+    del counters[absent]
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], counters=counters)
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    gate = {g.name: g for g in outcome.gates}["zero-policy-failures"]
+    assert gate.status == "fail"
+    assert f"{absent} counter(s) unavailable" in gate.detail
+    assert outcome.label == "gate-failed"
+    baseline_only = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], baseline_kw={"counters": {}})
+    outcome = evaluate_cell("cell", baseline_only, cancel_bound_s=None, tensor_parallel_size=1)
+    assert outcome.gates_passed and outcome.label == "beneficial"
+
+
 def test_never_invoked_fails_the_gate() -> None:
     pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], calls=[0, 0, 0])
     outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
@@ -239,3 +260,64 @@ def test_neutral_with_latency_ci_low_just_under_5pct() -> None:
     label, low = _edge_outcome("low", 4.9, FLAT)
     assert low < 5.0
     assert label == "neutral"
+
+
+# --- clauses pinned by the conformance audit ------------------------------------------------
+
+
+def test_a_baseline_that_overrode_the_builtin_victim_fails_the_gate() -> None:
+    """README "Functional gates": the baseline is the built-in victim; a baseline arm whose
+    controller made a selection (2 here) fails the cell."""
+    baseline_counters = {"calls": 2, "selections": 2, "abstentions": 0, "failures": 0,
+                         "invalid_selections": 0}
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)],
+                   baseline_kw={"counters": baseline_counters})
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    gate = {g.name: g for g in outcome.gates}["policy-enabled-and-invoked"]
+    assert gate.status == "fail" and "baseline: 2 selection(s)" in gate.detail
+    assert outcome.label == "gate-failed"
+
+
+def test_a_drain_exactly_at_the_bound_passes() -> None:
+    """qualification.md §6 gate 3 ("within 1 s"): 1.0 s against a 1.0 s bound drains in
+    time; 1.01 s does not."""
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], baseline_kw={"drain_s": 1.0},
+                   drain_s=1.0)
+    gates = evaluate_cell("cell", pairs, cancel_bound_s=1.0, tensor_parallel_size=1).gates
+    assert {g.name: g.status for g in gates}["cancellation-drains"] == "pass"
+    late = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], baseline_kw={"drain_s": 1.0},
+                  drain_s=1.01)
+    gates = evaluate_cell("cell", late, cancel_bound_s=1.0, tensor_parallel_size=1).gates
+    assert {g.name: g.status for g in gates}["cancellation-drains"] == "fail"
+
+
+def test_a_repeat_without_short_outputs_fails_the_equality_gate() -> None:
+    """qualification.md §6 gate 1 holds in every repeat: repeat 1 whose arms both lack the
+    warm-up hash (None == None) is unknown, not equal, so the gate fails."""
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)])
+    pairs[1] = Pair("cell", 1, "candidate",
+                    _arm("baseline", 100.0, 10.0, short_hash=None),
+                    _arm("candidate", 106, 10.0, short_hash=None))
+    outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    gate = {g.name: g for g in outcome.gates}["short-output-identical"]
+    assert gate.status == "fail" and gate.detail == "repeat 1: None != None"
+
+
+def test_fewer_than_three_pairs_is_inconclusive_before_a_failed_gate() -> None:
+    """qualification.md §7 rules in order: with 2 pairs rule 1 labels the cell
+    `inconclusive` even though a gate failed; the failed gate still fails the cell."""
+    outcome = evaluate_cell("cell", _pairs([(105, 9.9), (106, 10.0)], starved=1),
+                            cancel_bound_s=None, tensor_parallel_size=1)
+    assert outcome.label == "inconclusive" and "2 pair(s) < 3" in outcome.reason
+    assert not outcome.gates_passed
+
+
+def test_identical_arms_are_neutral() -> None:
+    """qualification.md §7 rules 4-5 use strict bounds on throughput: three pairs with
+    candidate == baseline give deltas 0, 0, 0 and the interval [0, 0], which clears
+    neither "low > 0" nor "high < 0", so the cell is `neutral`."""
+    outcome = evaluate_cell("cell", _pairs([(100.0, 10.0)] * 3), cancel_bound_s=None,
+                            tensor_parallel_size=1)
+    thr = outcome.deltas["throughput"]
+    assert (thr.low, thr.high) == (0.0, 0.0)
+    assert outcome.label == "neutral"
