@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 from hust_ext_manager.cli import main
 
@@ -14,3 +18,43 @@ def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, st
         code = int(stop.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def install_bundles(
+    site: Path,
+    manifests: dict[str, dict[str, Any]],
+    *,
+    name: str = "fake-status",
+    version: str = "1.0",
+    checks: dict[str, str] | None = None,
+    shutdown: dict[str, str] | None = None,
+    plugins: dict[str, str] | None = None,
+) -> None:
+    """One fake installed distribution ``name`` ``version`` under ``site`` registering each
+    manifest under its id (files listed in its RECORD), with optional bundle checks,
+    shutdown hooks, and vLLM general plugins ``name -> module`` (each module shipped as a
+    file in the RECORD)."""
+    package = name.replace("-", "")
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines, record = ["[vllm_hust.extension_bundles]"], []
+    for index, (bundle_id, document) in enumerate(manifests.items()):
+        relative = f"{package}/b{index}/vllm-hust-extension-v0.2.json"
+        (site / relative).parent.mkdir(parents=True)
+        (site / relative).write_text(json.dumps({**document, "extension_id": bundle_id}))
+        lines.append(f"{bundle_id} = {package}.b{index}")
+        record.append(f"{relative},,\n")
+    lines.append("[vllm_hust_ext.bundle_checks]")
+    lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
+    lines.append("[vllm_hust_ext.bundle_shutdown]")
+    lines += [f"{k} = {v}" for k, v in (shutdown or {}).items()]
+    lines.append("[vllm.general_plugins]")
+    for plugin, module in (plugins or {}).items():
+        lines.append(f"{plugin} = {module}:register")
+        relative = module.replace(".", "/") + ".py"
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_text("def register():\n    pass\n")
+        record.append(f"{relative},,\n")
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("".join(record))

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from hust_ext_manager import cli
 
-from tests.manager_helpers import invoke
+from tests.manager_helpers import install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -36,17 +36,8 @@ BUNDLE = "org.test.p"
 
 def install(site: Path, shutdown: str | None = None) -> None:
     """A fake installed distribution registering BASE as ``org.test.p`` (optional hook)."""
-    info = site / "fake_guards-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-guards\nVersion: 1.0\n")
-    relative = "fakeguards/b0/vllm-hust-extension-v0.2.json"
-    (site / relative).parent.mkdir(parents=True)
-    (site / relative).write_text(json.dumps({**BASE, "extension_id": BUNDLE}))
-    lines = ["[vllm_hust.extension_bundles]", f"{BUNDLE} = fakeguards.b0"]
-    lines += ["[vllm_hust_ext.bundle_shutdown]"]
-    lines += [f"{BUNDLE} = {shutdown}"] if shutdown else []
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    (info / "RECORD").write_text(f"{relative},,\n")
+    hooks = {BUNDLE: shutdown} if shutdown else None
+    install_bundles(site, {BUNDLE: BASE}, name="fake-guards", shutdown=hooks)
 
 
 @pytest.fixture

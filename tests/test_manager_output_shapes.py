@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from hust_ext_manager.cli import build_parser
 
-from tests.manager_helpers import invoke
+from tests.manager_helpers import install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -73,19 +73,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def install(site: Path, documents: dict[str, dict[str, Any]]) -> None:
     """One fake installed distribution (version 9.9) registering each manifest under its id."""
-    info = site / "fake_shapes-9.9.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-shapes\nVersion: 9.9\n")
-    lines = ["[vllm_hust.extension_bundles]"]
-    record = []
-    for index, (bundle_id, document) in enumerate(documents.items()):
-        relative = f"fakeshapes/b{index}/vllm-hust-extension-v0.2.json"
-        (site / relative).parent.mkdir(parents=True)
-        (site / relative).write_text(json.dumps({**document, "extension_id": bundle_id}))
-        lines.append(f"{bundle_id} = fakeshapes.b{index}")
-        record.append(f"{relative},,\n")
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    (info / "RECORD").write_text("".join(record))
+    install_bundles(site, documents, name="fake-shapes", version="9.9")
 
 
 def set_state(tmp_path: Path, extensions: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ import pytest
 from hust_ext_manager import runtime_evidence
 
 from bidkv_ext.evidence import evidence_line, evidence_sink_from_env
+from tests.manager_helpers import install_bundles as install
 from tests.manager_helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,40 +53,6 @@ BASE: dict[str, Any] = json.loads(
     (ROOT / "manifests" / "bidkv" / "vllm-hust-extension-v0.2.json").read_text()
 )
 DECLARED = {"protocol_versions": {"vllm.preemption-policy": "1.0"}, "host_version": "0.33.0"}
-
-
-def install(
-    site: Path,
-    manifests: dict[str, dict[str, Any]],
-    checks: dict[str, str] | None = None,
-    shutdown: dict[str, str] | None = None,
-    plugins: dict[str, str] | None = None,
-) -> None:
-    """A fake installed distribution registering ``manifests`` (optional checks, hooks, and
-    vLLM general plugins ``name -> module``, each module shipped as a file in the RECORD)."""
-    info = site / "fake_status-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-status\nVersion: 1.0\n")
-    lines, record = ["[vllm_hust.extension_bundles]"], []
-    for index, (bundle_id, document) in enumerate(manifests.items()):
-        relative = f"fakestatus/b{index}/vllm-hust-extension-v0.2.json"
-        (site / relative).parent.mkdir(parents=True)
-        (site / relative).write_text(json.dumps({**document, "extension_id": bundle_id}))
-        lines.append(f"{bundle_id} = fakestatus.b{index}")
-        record.append(f"{relative},,\n")
-    lines.append("[vllm_hust_ext.bundle_checks]")
-    lines += [f"{k} = {v}" for k, v in (checks or {}).items()]
-    lines.append("[vllm_hust_ext.bundle_shutdown]")
-    lines += [f"{k} = {v}" for k, v in (shutdown or {}).items()]
-    lines.append("[vllm.general_plugins]")
-    for name, module in (plugins or {}).items():
-        lines.append(f"{name} = {module}:register")
-        relative = module.replace(".", "/") + ".py"
-        (site / relative).parent.mkdir(parents=True, exist_ok=True)
-        (site / relative).write_text("def register():\n    pass\n")
-        record.append(f"{relative},,\n")
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    (info / "RECORD").write_text("".join(record))
 
 
 def _metadata(folder: Path, name: str, entry_points: str) -> Path:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.manager_helpers import invoke
+from tests.manager_helpers import install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -44,21 +44,8 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def install(site: Path, host_range: str) -> None:
     """Register BASE (its host range replaced) as ``BUNDLE`` through a dist-info RECORD."""
-    info = site / "fake_ranges-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-ranges\nVersion: 1.0\n")
-    relative = "fakeranges/b0/vllm-hust-extension-v0.2.json"
-    (site / relative).parent.mkdir(parents=True)
-    document = {
-        **BASE,
-        "extension_id": BUNDLE,
-        "host": {**BASE["host"], "version_range": host_range},
-    }
-    (site / relative).write_text(json.dumps(document))
-    (info / "entry_points.txt").write_text(
-        f"[vllm_hust.extension_bundles]\n{BUNDLE} = fakeranges.b0\n"
-    )
-    (info / "RECORD").write_text(f"{relative},,\n")
+    document = {**BASE, "host": {**BASE["host"], "version_range": host_range}}
+    install_bundles(site, {BUNDLE: document}, name="fake-ranges")
 
 
 def status(
