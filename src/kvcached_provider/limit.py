@@ -271,8 +271,13 @@ class ControlRecord:
     prealloc_size: int
 
 
-def read_control_record(name: str, directory: Path | None = None) -> ControlRecord | None:
-    """Read one record under a shared ``flock``, as kvcached's readers do; None if absent."""
+def read_control_record(
+    name: str, directory: Path | None = None, *, lock: bool = True
+) -> ControlRecord | None:
+    """Read one record under a shared ``flock``, as kvcached's readers do; None if absent.
+
+    ``lock=False`` reads without the ``flock``, for a caller that only reports what it
+    sees: any process holding an exclusive lock on the file would otherwise block it."""
     path = (directory if directory is not None else shm_dir()) / name
     try:
         # O_NONBLOCK: opening a FIFO planted at the path must not hang (no effect on files).
@@ -288,7 +293,8 @@ def read_control_record(name: str, directory: Path | None = None) -> ControlReco
                 f"{path} is not a kvcached control record: expected a regular file of "
                 f"{_RECORD.size} bytes, found {_file_kind(info.st_mode)}"
             )
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_SH)
         data = os.pread(fd, _RECORD.size + 1, 0)
     except OSError as exc:
         raise LimitError(f"cannot read kvcached control record {path}: {exc.strerror}") from exc

@@ -41,7 +41,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,7 +53,12 @@ from kvcached_provider.checks import (
     planned_environment,
     shm_dir,
 )
-from kvcached_provider.limit import RECORD_SIZE, is_instance_record
+from kvcached_provider.limit import (
+    RECORD_SIZE,
+    LimitError,
+    is_instance_record,
+    read_control_record,
+)
 
 __all__ = [
     "RECORD_SIZE",
@@ -68,7 +72,6 @@ __all__ = [
 # kvcached's own name when KVCACHED_IPC_NAME is unset: kvcached_<engine>_<pgid>[_<i>].
 _DEFAULT_NAME = re.compile(r"kvcached_[A-Za-z]+_([0-9]+)(?:_[0-9]+)?")
 _PROC = Path("/proc")
-_TOTAL_SIZE = struct.Struct("=q")  # the record's first native int64
 
 
 class CleanupError(ValueError):
@@ -261,22 +264,20 @@ def _is_record(path: Path) -> bool:
 
     Read without kvcached's shared ``flock``: this only decides what to report, and any
     unrelated process holding an exclusive lock on a file in ``/dev/shm`` would otherwise
-    hang the cleanup (and the manager's shutdown hook) for as long as it holds it.
+    hang the cleanup (and the manager's shutdown hook) for as long as it holds it. The
+    ``lstat`` first passes over links and files of another size without opening them.
     """
     try:
         info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size != RECORD_SIZE:
-            return False
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_size != RECORD_SIZE:
         return False
     try:
-        data = os.pread(fd, RECORD_SIZE + 1, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
+        record = read_control_record(path.name, path.parent, lock=False)
+    except LimitError:  # gone meanwhile, unreadable, or no longer a record
         return False
-    finally:
-        os.close(fd)
-    return len(data) == RECORD_SIZE and _TOTAL_SIZE.unpack_from(data)[0] > 0
+    return record is not None and record.total_size > 0
 
 
 def _records(ipc: str, shm: Path) -> tuple[list[Path], list[Path]]:
