@@ -4,7 +4,7 @@ Runs the real ``vllm-hust-ext`` console script (the manager distribution install
 venv; the tests skip, saying so, only when the script is missing). kvcached cannot be
 installed here, so the "GPU host" cases fake the installed state at the metadata boundary:
 a throw-away venv (``--without-pip``) whose site-packages holds fake ``*.dist-info``
-records for kvcached 0.1.6 (with ``kvcached/_C.abi3.so``), torch ``+cu128`` and vLLM-HUST
+records for kvcached 0.1.6 (with ``kvcached/_C.abi3.so``), torch ``2.10.0+cu128`` and vLLM-HUST
 ``0.28.1rc1.dev319`` (whose RECORD lists the preemption contract module), plus a
 placeholder ``kvcached_autopatch.pth``; a ``.pth`` there adds the project venv's
 site-packages, so the real manager and this bundle run unchanged. Nothing is imported from
@@ -122,7 +122,7 @@ def gpu_host(tmp_path: Path) -> tuple[str, Path]:
     (site / "kvcached").mkdir()
     (site / "kvcached/_C.abi3.so").write_bytes(b"\x7fELF")
     (site / "kvcached_autopatch.pth").write_text("# placeholder for kvcached's import hook\n")
-    _fake_dist(site, "torch", "2.9.0+cu128")
+    _fake_dist(site, "torch", "2.10.0+cu128")
     _fake_dist(site, "vllm", "0.28.1rc1.dev319+g199e0bd", "vllm/v1/core/sched/preemption.py")
     return python, site
 

@@ -7,12 +7,18 @@ exactly what ``importlib.metadata`` reads; no kvcached module is imported or fak
 torch subprocess probe is replaced by a stub where a test needs one. Guarded: each failure
 names what is missing and how to fix it; successes are reported; only the compiled file
 itself, directly in the ``kvcached`` package and present on disk, counts as the native
-module; torch's local version tag is read without probing; an unparsable vLLM version is
-outside the range, and ``check()`` uses the manifest's own range; ``check()`` imports neither
-kvcached, torch nor vLLM; one failing probe cannot hide the others; the KV-events check
-reads a command (and its ``--config`` YAML file) as vLLM's real argument parser does, and
-never waits on or consumes a ``--config`` that is not a regular file (a FIFO);
-``kvcached-provider check`` reads the bundle's manifest (its default instance name).
+module; torch's local version tag is read without probing when it names a backend (cu*,
+rocm*, cpu, xpu) and probed when it names none (NGC's ``+<commit>.nv25.10``); torch older
+than 2.10 (the stable ABI kvcached 0.1.6's ``_C`` is built against) is refused, by release
+number so that pre-release builds of 2.10 pass; an unparsable vLLM version is outside the
+range, and ``check()`` uses the manifest's own range; the planned activation environment
+really switches kvcached on (``ENABLE_KVCACHED`` true/1, read untrimmed as kvcached reads
+it; ``KVCACHED_AUTOPATCH`` true/1 or left unset); ``check()`` imports neither kvcached,
+torch nor vLLM; one failing probe cannot hide the others; the KV-events check reads a
+command (and its ``--config`` YAML file) as vLLM's real argument parser does, and never
+waits on or consumes a ``--config`` that is not a regular file (a FIFO);
+``kvcached-provider check`` reads the bundle's manifest (its default instance name) and exits
+0 (``ready``) only when every line is ok, else 1.
 """
 
 from __future__ import annotations
@@ -199,6 +205,18 @@ def test_torch_local_tag_is_read_without_probing(site: Path, version: str, expec
     assert not ok and line.startswith(expected + ";")
 
 
+@pytest.mark.parametrize("version", ["2.10.0a0+b465a5843b.nv25.10", "2.10.0+git1a2b3c"])
+def test_torch_with_an_unknown_local_tag_is_probed(site: Path, version: str) -> None:
+    """A local tag naming no backend (NVIDIA's NGC containers ship CUDA torch as
+    ``2.10.0a0+<commit>.nv25.10``) says nothing about the build: it was refused as a
+    "B465A5843B.NV25.10-only build" without asking torch."""
+    fake_dist(site, "torch", version)
+    assert checks.check_torch_backend(lambda _t: ("13.0", None)) == (
+        True, f"torch {version} is a CUDA 13.0 build")
+    ok, line = checks.check_torch_backend(lambda _t: (None, None))
+    assert not ok and f"torch {version} is a CPU-only build (no CUDA or HIP version)" in line
+
+
 def test_torch_without_local_tag_is_probed(site: Path) -> None:
     fake_dist(site, "torch", "2.9.0")
     assert checks.check_torch_backend(lambda _t: ("12.8", None)) == (
@@ -210,6 +228,45 @@ def test_torch_without_local_tag_is_probed(site: Path) -> None:
     ok, line = checks.check_torch_backend(lambda _t: "probing torch timed out after 60 s")
     assert not ok
     assert "cannot tell whether torch 2.9.0 is a GPU build (probing torch timed out" in line
+
+
+@pytest.mark.parametrize(("version", "ok"), [
+    ("2.9.1+cu128", False),
+    ("2.9.0", False),
+    ("1.13.1+cu117", False),
+    ("2.10.0+cu128", True),
+    ("2.10.0a0+git1234", True),  # a pre-release build of 2.10 has its stable ABI
+    ("2.14.0", True),
+])
+def test_torch_version_floor(site: Path, version: str, ok: bool) -> None:
+    """kvcached 0.1.6's ``_C`` targets the libtorch stable ABI of torch >= 2.10 (notes §1)."""
+    fake_dist(site, "torch", version)
+    [(found, line)] = checks.check_torch_version()
+    assert found is ok, line
+    if ok:
+        assert line == f"torch {version} is at least 2.10 (kvcached 0.1.6's compiled module " \
+                       "needs it)"
+    else:
+        assert line.startswith(f"torch {version} is older than 2.10: kvcached 0.1.6's "
+                               "compiled module is built against the libtorch stable ABI of "
+                               "torch >= 2.10;")
+        assert "pip install 'torch>=2.10'" in line
+
+
+def test_torch_version_floor_in_check(site: Path) -> None:
+    fake_dist(site, "torch", "2.9.0+cu128")
+    failed = [line for ok, line in checks.check(MANIFEST, {}) if not ok]
+    assert any(line.startswith("torch 2.9.0+cu128 is older than 2.10") for line in failed)
+    assert not any("is a CUDA build" in line for line in failed)
+
+
+def test_torch_version_not_repeated_when_torch_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = checks._distribution
+    monkeypatch.setattr(checks, "_distribution",
+                        lambda name: None if name == "torch" else real(name))
+    assert checks.check_torch_version() == []
 
 
 def test_torch_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,6 +397,53 @@ def test_ipc_name_rules(tmp_path: Path) -> None:
     assert "ends like a KV-group suffix" in lines[1][1] and "'llama'" in lines[1][1]
 
 
+# ------------------------------------------------------- activation environment
+
+
+@pytest.mark.parametrize(("environment", "failures"), [
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}, []),
+    ({"ENABLE_KVCACHED": "TRUE", "KVCACHED_AUTOPATCH": "True"}, []),
+    ({"ENABLE_KVCACHED": "1"}, []),  # kvcached's hook sets KVCACHED_AUTOPATCH=1 if unset
+    ({"ENABLE_KVCACHED": "false", "KVCACHED_AUTOPATCH": "1"}, ["ENABLE_KVCACHED"]),
+    ({"ENABLE_KVCACHED": " true", "KVCACHED_AUTOPATCH": "1"}, ["ENABLE_KVCACHED"]),
+    ({"ENABLE_KVCACHED": "yes", "KVCACHED_AUTOPATCH": "1"}, ["ENABLE_KVCACHED"]),
+    ({"KVCACHED_AUTOPATCH": "1"}, ["ENABLE_KVCACHED"]),
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"}, ["KVCACHED_AUTOPATCH"]),
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "on"}, ["KVCACHED_AUTOPATCH"]),
+])
+def test_activation_environment_switches_kvcached_on(
+    environment: dict[str, str], failures: list[str]
+) -> None:
+    """kvcached applies its patches only when ``ENABLE_KVCACHED`` is true/1 and
+    ``KVCACHED_AUTOPATCH`` is true/1 (set to 1 by its hook when unset), read with
+    ``.lower()`` and no trimming (notes §4). An override that turns either off launched
+    vLLM without kvcached while the bundle reported itself ready."""
+    lines = checks.check_activation_environment(environment)
+    failed = [line for ok, line in lines if not ok]
+    assert [line.split("=")[0].split(" ")[0] for line in failed] == failures
+    for line in failed:
+        assert "kvcached reads only 'true' or '1'" in line
+        assert "vllm-hust-ext extension configure org.vllm-hust.kvcached --file F" in line
+    assert len(lines) == 2  # one line per variable
+    passed = [line for ok, line in lines if ok]
+    if "ENABLE_KVCACHED" not in failures:
+        assert f"ENABLE_KVCACHED={environment['ENABLE_KVCACHED']!r} switches kvcached on" \
+            in passed
+    if "KVCACHED_AUTOPATCH" not in failures:
+        assert (f"KVCACHED_AUTOPATCH={environment['KVCACHED_AUTOPATCH']!r} applies kvcached's "
+                "vLLM patches" if "KVCACHED_AUTOPATCH" in environment else
+                "KVCACHED_AUTOPATCH is unset: kvcached's import hook sets it to 1 when "
+                "ENABLE_KVCACHED is on") in passed
+
+
+def test_check_refuses_an_override_that_switches_kvcached_off() -> None:
+    overrides = {"environment": {"ENABLE_KVCACHED": "false", "KVCACHED_IPC_NAME": "inst1"}}
+    failed = [line for ok, line in checks.check(MANIFEST, overrides) if not ok]
+    assert any(line.startswith("ENABLE_KVCACHED='false' leaves kvcached off") for line in failed)
+    assert not [line for ok, line in checks.check(MANIFEST, {}) if not ok
+                and line.startswith("ENABLE_KVCACHED")]
+
+
 # ------------------------------------------------------------------------- check()
 
 
@@ -380,6 +484,21 @@ def test_cli_check_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert out.count("FAIL ") == 5
     assert out.rstrip().endswith("org.vllm-hust.kvcached: 5 check(s) failed")
+
+
+def test_cli_check_exit_status(monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvcached-provider check`` exits 0 and prints ``ready`` only when every line is ok;
+    one failed line means exit 1 and the count of failures."""
+    from kvcached_provider.cli import main
+
+    monkeypatch.setattr(checks, "check", lambda *_: [(True, "a"), (True, "b")])
+    assert main(["check"]) == 0
+    assert capsys.readouterr().out == "ok   a\nok   b\norg.vllm-hust.kvcached: ready\n"
+    monkeypatch.setattr(checks, "check", lambda *_: [(True, "a"), (False, "b")])
+    assert main(["check"]) == 1
+    assert capsys.readouterr().out == (
+        "ok   a\nFAIL b\norg.vllm-hust.kvcached: 1 check(s) failed\n")
 
 
 def test_cli_check_without_ipc_reads_the_bundles_manifest(

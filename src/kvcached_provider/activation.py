@@ -5,10 +5,14 @@ environment (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); this plugin ad
 kvcached lacks: a responder that applies ``kvcached-provider limit`` requests inside the
 engine process, where kvcached's revisioned control API must be called.
 
-vLLM loads general plugins in each of its processes; :func:`register` starts one daemon
-thread per process when kvcached is enabled and the instance has an explicit, valid
-``KVCACHED_IPC_NAME``. Only the process holding registered kvcached pools (the EngineCore)
-ever claims a request. The plugin never raises: a failure here must not stop the engine.
+vLLM loads general plugins in each of its processes -- every installed one when
+``VLLM_PLUGINS`` is unset, so also in engines that never enabled this bundle. While kvcached
+is off (``ENABLE_KVCACHED`` not true/1, or ``KVCACHED_AUTOPATCH`` set to anything but
+true/1, read as kvcached reads them) :func:`register` returns at once, having imported
+nothing beyond this module. Otherwise it starts one daemon thread per process when the
+instance has an explicit, valid ``KVCACHED_IPC_NAME``. Only the process holding registered
+kvcached pools (the EngineCore) ever claims a request. The plugin never raises: a failure
+here must not stop the engine.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from kvcached_provider.checks import IPC_NAME_PATTERN
-from kvcached_provider.limit import LimitResponder
+if TYPE_CHECKING:  # imported lazily: the plugin must cost nothing while kvcached is off
+    from kvcached_provider.limit import LimitResponder
 
 __all__ = ["register"]
 
@@ -27,10 +33,13 @@ _lock = threading.Lock()
 _responder: LimitResponder | None = None
 
 
-def _enabled(environ: os._Environ[str] | dict[str, str]) -> bool:
+def _enabled(environ: Mapping[str, str]) -> bool:
     # Exactly kvcached's reading (no trimming): " true" switches kvcached off, so it must
-    # not switch the responder on.
-    return environ.get("ENABLE_KVCACHED", "false").lower() in {"true", "1"}
+    # not switch the responder on. Its import hook sets an unset KVCACHED_AUTOPATCH to 1
+    # when ENABLE_KVCACHED is on; any other value leaves vLLM unpatched.
+    on = {"true", "1"}
+    return (environ.get("ENABLE_KVCACHED", "false").lower() in on
+            and environ.get("KVCACHED_AUTOPATCH", "1").lower() in on)
 
 
 def register() -> LimitResponder | None:
@@ -39,6 +48,9 @@ def register() -> LimitResponder | None:
     try:
         if not _enabled(os.environ):
             return None
+        from kvcached_provider.checks import IPC_NAME_PATTERN
+        from kvcached_provider.limit import LimitResponder
+
         ipc = os.environ.get("KVCACHED_IPC_NAME", "")
         if not IPC_NAME_PATTERN.fullmatch(ipc):
             _log.warning(

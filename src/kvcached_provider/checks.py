@@ -41,9 +41,12 @@ __all__ = [
     "DEFAULT_IPC_NAME",
     "GROUP_SUFFIX",
     "IPC_NAME_PATTERN",
+    "KVCACHED_ON_WORDS",
     "KVCACHED_TESTED_VLLM_RANGE",
+    "MIN_TORCH_RELEASE",
     "SettingError",
     "check",
+    "check_activation_environment",
     "check_autopatch_pth",
     "check_compiled_module",
     "check_ipc_name",
@@ -52,6 +55,7 @@ __all__ = [
     "check_peer_bundles",
     "check_shm_writable",
     "check_torch_backend",
+    "check_torch_version",
     "check_vllm_range",
     "env_directory",
     "planned_environment",
@@ -83,6 +87,12 @@ _KV_EVENTS_OPTION = "--kv-events-config"
 _KV_EVENTS_FLAG = _KV_EVENTS_OPTION + ".enable_kv_cache_events"
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on", "t", "y"})
 TORCH_PROBE_TIMEOUT_S = 60.0
+# kvcached 0.1.6's ``_C`` is built against the libtorch stable ABI of torch 2.10; compared by
+# release number, so that pre-release builds of 2.10 (``2.10.0a0+git...``) count as 2.10.
+MIN_TORCH_RELEASE = (2, 10)
+# kvcached's reading of ENABLE_KVCACHED and KVCACHED_AUTOPATCH: ``value.lower()`` in these,
+# with no trimming (" true" is off).
+KVCACHED_ON_WORDS = frozenset({"true", "1"})
 
 _INSTALL_HINT = (
     "install it with `pip install 'kvcached>=0.1.6' --no-build-isolation` in an environment "
@@ -265,10 +275,15 @@ def _probe_torch_backend(timeout_s: float) -> tuple[str | None, str | None] | st
     return (str(cuda) if cuda else None, str(hip) if hip else None)
 
 
+# Local version tags of PyTorch's own non-GPU wheels.
+_NON_GPU_TAGS = ("cpu", "xpu")
+
+
 def check_torch_backend(
     probe: Callable[[float], tuple[str | None, str | None] | str] = _probe_torch_backend,
 ) -> CheckLine:
-    """torch is a CUDA or ROCm build: from the version's local tag, else a subprocess probe."""
+    """torch is a CUDA or ROCm build: from a local tag naming the backend (``+cu128``,
+    ``+rocm6.3``, ``+cpu``, ``+xpu``), else a subprocess probe."""
     fix = (
         "install a CUDA or ROCm build of torch (e.g. `pip install torch --index-url "
         "https://download.pytorch.org/whl/cu128`), then rebuild kvcached against it"
@@ -282,8 +297,9 @@ def check_torch_backend(
         local = ""
     if local.startswith("cu") or local.startswith("rocm"):
         return True, f"torch {dist.version} is a {'ROCm' if 'rocm' in local else 'CUDA'} build"
-    if local:
+    if local.startswith(_NON_GPU_TAGS):
         return False, f"torch {dist.version} is a {local.upper()}-only build; {fix}"
+    # No tag, or one naming no backend (NGC's CUDA builds: ``+<commit>.nv25.10``): ask torch.
     result = probe(TORCH_PROBE_TIMEOUT_S)
     if isinstance(result, str):
         return False, f"cannot tell whether torch {dist.version} is a GPU build ({result}); {fix}"
@@ -293,6 +309,31 @@ def check_torch_backend(
     if hip:
         return True, f"torch {dist.version} is a ROCm (HIP {hip}) build"
     return False, f"torch {dist.version} is a CPU-only build (no CUDA or HIP version); {fix}"
+
+
+def check_torch_version() -> list[CheckLine]:
+    """torch is at least 2.10, whose stable ABI kvcached 0.1.6's compiled module targets.
+
+    Nothing when torch is missing: :func:`check_torch_backend` reports that.
+    """
+    dist = _distribution("torch")
+    if dist is None:
+        return []
+    floor = ".".join(map(str, MIN_TORCH_RELEASE))
+    try:
+        release = Version(dist.version).release
+    except InvalidVersion:
+        release = ()
+    if release[:len(MIN_TORCH_RELEASE)] >= MIN_TORCH_RELEASE:
+        return [(True, f"torch {dist.version} is at least {floor} (kvcached "
+                       f"{MIN_KVCACHED_VERSION}'s compiled module needs it)")]
+    return [(False, (
+        f"torch {dist.version} is older than {floor}: kvcached {MIN_KVCACHED_VERSION}'s "
+        f"compiled module is built against the libtorch stable ABI of torch >= {floor}; "
+        f"install a CUDA or ROCm build of torch >= {floor} that the host's vLLM accepts "
+        f"(e.g. `pip install 'torch>={floor}' --index-url "
+        "https://download.pytorch.org/whl/cu128`), then rebuild kvcached against it"
+    ))]
 
 
 def check_vllm_range(version_range: str = KVCACHED_TESTED_VLLM_RANGE) -> CheckLine:
@@ -383,6 +424,52 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             f"if no engine uses it remove it with `kvctl delete {name}`, else pick another "
             "KVCACHED_IPC_NAME"
         )))
+    return lines
+
+
+def check_activation_environment(env: Mapping[str, str]) -> list[CheckLine]:
+    """The planned environment really switches kvcached on (one line per variable).
+
+    kvcached's import hook applies its vLLM patches only when ``ENABLE_KVCACHED`` is true/1
+    and ``KVCACHED_AUTOPATCH`` is true/1 (the hook sets it to 1 when unset), each read as
+    ``value.lower()`` without trimming. Both must reach the engine's environment before
+    vLLM is imported, which the launch environment guarantees; an operator override that
+    turns either off would launch vLLM without kvcached while the bundle looks ready.
+    """
+    reading = "kvcached reads only 'true' or '1' (any case, no surrounding spaces)"
+
+    def fix(variable: str, value: str) -> str:
+        return (f"set it with `vllm-hust-ext extension configure {EXTENSION_ID} --file F` "
+                f'with F holding {{"environment": {{"{variable}": "{value}"}}}}, or disable '
+                f"{EXTENSION_ID}")
+
+    lines: list[CheckLine] = []
+    enable = env.get("ENABLE_KVCACHED")
+    if enable is None:
+        lines.append((False, (
+            "ENABLE_KVCACHED is not set in the bundle's activation environment, so kvcached "
+            f"stays off ({reading}); {fix('ENABLE_KVCACHED', 'true')}"
+        )))
+    elif enable.lower() not in KVCACHED_ON_WORDS:
+        lines.append((False, (
+            f"ENABLE_KVCACHED={enable!r} leaves kvcached off ({reading}); "
+            f"{fix('ENABLE_KVCACHED', 'true')}"
+        )))
+    else:
+        lines.append((True, f"ENABLE_KVCACHED={enable!r} switches kvcached on"))
+    autopatch = env.get("KVCACHED_AUTOPATCH")
+    if autopatch is None:
+        lines.append((True, (
+            "KVCACHED_AUTOPATCH is unset: kvcached's import hook sets it to 1 when "
+            "ENABLE_KVCACHED is on"
+        )))
+    elif autopatch.lower() not in KVCACHED_ON_WORDS:
+        lines.append((False, (
+            f"KVCACHED_AUTOPATCH={autopatch!r} leaves kvcached's vLLM patches unapplied "
+            f"({reading}); {fix('KVCACHED_AUTOPATCH', '1')}"
+        )))
+    else:
+        lines.append((True, f"KVCACHED_AUTOPATCH={autopatch!r} applies kvcached's vLLM patches"))
     return lines
 
 
@@ -580,8 +667,10 @@ def check(
         ("kvcached compiled module", check_compiled_module),
         ("kvcached autopatch .pth", check_autopatch_pth),
         ("torch backend", check_torch_backend),
+        ("torch version", check_torch_version),
         ("vLLM range", lambda: check_vllm_range(_supported_range(manifest))),
         ("/dev/shm", check_shm_writable),
+        ("activation environment", lambda: check_activation_environment(env)),
         ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"))),
         ("other enabled bundles", lambda: check_peer_bundles(peers)),
         ("KV-cache events", lambda: check_kv_events(command)),
