@@ -422,7 +422,7 @@ def test_the_manager_cleans_up_after_a_launch(shm: Path, tmp_path: Path, ipc: st
     site_dir = tmp_path / "fake-site"
     site_dir.mkdir()
     fake_dist(site_dir, "kvcached", "0.1.6", {"kvcached/_C.abi3.so": b"\x7fELF"})
-    fake_dist(site_dir, "torch", "2.9.0+cu128")
+    fake_dist(site_dir, "torch", "2.10.0+cu128")
     fake_dist(site_dir, "vllm", "0.28.1")
     userbase = tmp_path / "userbase"
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
