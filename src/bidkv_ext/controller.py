@@ -31,6 +31,7 @@ __all__ = [
     "EvidenceSink",
     "PolicyController",
     "PreemptionPolicyController",
+    "builtin_victim",
     "builtin_victim_id",
     "load_policy",
     "policy_name_of",
@@ -52,7 +53,7 @@ EvidenceSink = Callable[[str, dict[str, object]], None]
 EvidenceObserver = Callable[[str, str], None]
 
 
-def builtin_victim_id(context: PreemptionContext) -> str:
+def builtin_victim(context: PreemptionContext) -> PreemptionCandidate:
     """The host's own victim: ``builtin_victim_id`` if valid, else priority max or the tail."""
     candidates = context.candidates
     if not candidates:
@@ -61,10 +62,15 @@ def builtin_victim_id(context: PreemptionContext) -> str:
     if hinted is not None:
         index = candidate_index(candidates, hinted)
         if index >= 0:
-            return candidates[index].request_id
+            return candidates[index]
     if context.scheduling_policy == "priority":
-        return max(candidates, key=lambda c: (c.priority, c.arrival_time)).request_id
-    return candidates[-1].request_id
+        return max(candidates, key=lambda c: (c.priority, c.arrival_time))
+    return candidates[-1]
+
+
+def builtin_victim_id(context: PreemptionContext) -> str:
+    """The id of :func:`builtin_victim`."""
+    return builtin_victim(context).request_id
 
 
 def policy_name_of(policy: object) -> str:

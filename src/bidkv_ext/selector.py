@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from bidkv_ext.config import BidKVConfig
-from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts, candidate_index
-from bidkv_ext.controller import builtin_victim_id
+from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
+from bidkv_ext.controller import builtin_victim, builtin_victim_id
 from bidkv_ext.guards import LivenessGuard
 from bidkv_ext.strategies import StrategyRegistry, VictimStrategy, default_registry
 
@@ -133,11 +133,8 @@ class BidkvPreemptionPolicy:
         # abstains (every eligible candidate frees nothing) would let the host preempt the
         # same request past threshold + 1 in one epoch.
         guard = self._guard
-        if guard.threshold and context.candidates:
-            candidates = context.candidates
-            host = candidates[candidate_index(candidates, builtin_victim_id(context))]
-            if not guard.allows(host):
-                self._barrier(context)
+        if guard.threshold and context.candidates and not guard.allows(builtin_victim(context)):
+            self._barrier(context)
 
     def _barrier(self, context: PreemptionContext) -> None:
         # Every candidate spent its budget in this epoch: one built-in decision, new epoch.
