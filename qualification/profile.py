@@ -238,6 +238,11 @@ class Profile(_Frozen):
         names = [c.name for c in self.cells]
         if len(set(names)) != len(names):
             raise ValueError("cell names must be unique")
+        run_and_blocked = [*names, *self.blocked_cells]
+        if len(set(run_and_blocked)) != len(run_and_blocked):
+            # A blocked cell is declared but not run: one both run and blocked, or listed
+            # twice, would get two verdicts in the record.
+            raise ValueError("blocked_cells must be unique and must not name a cell that runs")
         if self.kind == "serve" and any(not c.paragraph_repeats for c in self.cells):
             raise ValueError("every serve cell needs paragraph_repeats")
         return self

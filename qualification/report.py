@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from qualification.verdict import CellOutcome
+from qualification.verdict import ArmResult, CellOutcome
 
 __all__ = ["gate_summary", "write_json_atomic", "write_markdown", "write_plot"]
 
@@ -94,6 +94,10 @@ def write_markdown(
     blocked = record.get("blocked_cells")
     for name in blocked if isinstance(blocked, list) else []:
         lines.append(f"| {name} | 0 | - | - | - | - | blocked |")
+    lines += ["", "## Policy counters and preemptions", ""]
+    lines += _counter_totals(outcomes)
+    lines += ["", "## Paired deltas", ""]
+    lines += _delta_table(outcomes)
     lines += ["", "## Gates", ""]
     for o in outcomes:
         lines.append(f"### {o.cell}")
@@ -137,6 +141,54 @@ def write_markdown(
         "",
     ]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _total(values: Sequence[float | int | None]) -> str:
+    """A sum over the repeats, or ``n/a`` when any repeat did not report its count."""
+    if not values or any(v is None or not math.isfinite(v) for v in values):
+        return "n/a"
+    return format(math.fsum(v for v in values if v is not None), "g")
+
+
+def _counter_totals(outcomes: Sequence[CellOutcome]) -> list[str]:
+    """qualification.md §8's per-cell line: the candidate's calls / selections /
+    abstentions (and failures / invalid selections) summed over the repeats, and each
+    arm's preemptions summed over the repeats."""
+    lines = [
+        "| Cell | Calls / selections / abstentions | Failures / invalid | "
+        "Preemptions baseline / candidate |",
+        "|---|---|---|---|",
+    ]
+    for o in outcomes:
+        arms = [p.candidate for p in o.pairs]
+
+        def count(key: str, arms: list[ArmResult] = arms) -> str:
+            return _total([None if a.counters is None else a.counters.get(key) for a in arms])
+
+        base = _total([p.baseline.preemptions for p in o.pairs])
+        cand = _total([p.candidate.preemptions for p in o.pairs])
+        lines.append(
+            f"| {o.cell} | {count('calls')} / {count('selections')} / {count('abstentions')} "
+            f"| {count('failures')} / {count('invalid_selections')} | {base} / {cand} |"
+        )
+    return lines
+
+
+def _delta_table(outcomes: Sequence[CellOutcome]) -> list[str]:
+    """Every metric's mean paired delta with its 95 % Student-t interval and the per-repeat
+    deltas (qualification.md §5, §8); only throughput and P95 latency decide a verdict."""
+    lines = [
+        "| Cell | Metric | n | Mean Δ % | 95% CI | Per-repeat Δ % |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        for metric, s in o.deltas.items():
+            per_repeat = ", ".join(_fmt(d) for d in s.deltas) or "-"
+            lines.append(
+                f"| {o.cell} | {metric} | {s.n} | {_fmt(s.mean)} | "
+                f"[{_fmt(s.low)}, {_fmt(s.high)}] | {per_repeat} |"
+            )
+    return lines
 
 
 def write_plot(path: Path, outcomes: Sequence[CellOutcome]) -> None:

@@ -301,7 +301,11 @@ def build_record(profile: Profile, outcomes: list[CellOutcome], repeats: int) ->
         "platform": {"python": platform.python_version(), "machine": platform.machine()},
         "cells": [o.as_dict() for o in outcomes],
         "blocked_cells": list(profile.blocked_cells),
-        "verdicts": {o.cell: o.label for o in outcomes},
+        # qualification.md §3: a cell declared but not run is reported `blocked`.
+        "verdicts": {
+            **{o.cell: o.label for o in outcomes},
+            **dict.fromkeys(profile.blocked_cells, "blocked"),
+        },
         "gate": gate_summary(outcomes),
     }
 

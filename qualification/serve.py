@@ -104,7 +104,9 @@ def build_requests(profile: Profile, cell: CellSpec, repetition: int) -> list[Re
         repeats = cell.paragraph_repeats[i % len(cell.paragraph_repeats)]
         delay = cell.delays_s[i % len(cell.delays_s)]
         prompt = f"Request {repetition}-{i}. " + profile.workload.paragraph * repeats
-        cancel = cell.cancel_after_s if cell.cancel_after_s is not None and i % 2 == 1 else None
+        # Every other stream from the first (0, 2, 4, ...), as the reference workload did:
+        # with the cancel cell's pattern that cancels the 900- and 500-paragraph requests.
+        cancel = cell.cancel_after_s if cell.cancel_after_s is not None and i % 2 == 0 else None
         specs.append(RequestSpec(i, prompt, cell.max_tokens, delay, cancel))
     return specs
 
@@ -268,8 +270,12 @@ class ServeArm:
     async def _recover(self, load: _Load) -> _Load:
         w = self.profile.workload
         rec = RequestSpec(-2, w.recovery_prompt, w.recovery_max_tokens)
+        # The answer must be exactly the expected text (qualification.md §6 gate 4): the
+        # model has to stop at its end-of-sequence token, so this request, unlike the
+        # workload's forced-length ones, never ignores it.
+        sampling = replace(self.sampling, ignore_eos=False)
         (answer,), _ = await run_requests(
-            self.base_url, self.sampling, [rec], concurrency=1, timeout_s=w.request_timeout_s
+            self.base_url, sampling, [rec], concurrency=1, timeout_s=w.request_timeout_s
         )
         expected = w.recovery_expected
         ok = (

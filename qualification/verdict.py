@@ -20,6 +20,7 @@ from qualification.stats import DeltaSummary, paired_delta, summarize_deltas
 __all__ = [
     "COUNTER_NAMES",
     "DELTA_METRICS",
+    "EXTRA_DELTA_METRICS",
     "ArmResult",
     "CellOutcome",
     "GateResult",
@@ -40,6 +41,21 @@ COUNTER_NAMES = ("calls", "selections", "abstentions", "failures", "invalid_sele
 FAULT_COUNTERS = ("failures", "invalid_selections")
 # Metrics reported as paired deltas; the first two decide the verdict.
 DELTA_METRICS = ("throughput", "latency_p95", "ttft_p95", "latency_p50", "ttft_p50")
+# The other figures an arm reports in ``extra`` (qualification.md §4: the serve arm's P99s,
+# TPOT, Jain fairness and goodputs; the replay's goodput) also get a paired delta and an
+# interval (§5 "and any other reported metric"; §8 reports P95 TPOT and Jain deltas).
+# Each appears only in cells whose arms report it; none of them decides the verdict.
+EXTRA_DELTA_METRICS = (
+    "ttft_p99",
+    "e2e_p99",
+    "tpot_p50",
+    "tpot_p95",
+    "tpot_p99",
+    "jain_fairness",
+    "goodput_rps",
+    "slo_goodput_rps",
+    "goodput_req_s",
+)
 MIN_PAIRS = 3
 P95_LATENCY_TOLERANCE_PCT = 5.0
 
@@ -104,6 +120,16 @@ class ArmResult:
         return data
 
 
+def _figure(arm: ArmResult, metric: str) -> float:
+    value = getattr(arm, metric) if metric in DELTA_METRICS else arm.extra.get(metric)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range
+            return math.inf if value > 0 else -math.inf
+    return math.nan
+
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """One repetition of a cell: both arms, and which ran first."""
@@ -115,7 +141,19 @@ class Pair:
     candidate: ArmResult
 
     def delta(self, metric: str) -> float:
-        return paired_delta(getattr(self.candidate, metric), getattr(self.baseline, metric))
+        """(candidate / baseline - 1) x 100 % of one figure: a field of both arms, or an
+        ``extra`` figure (NaN when an arm does not report it as a number)."""
+        return paired_delta(_figure(self.candidate, metric), _figure(self.baseline, metric))
+
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics this pair has a delta for: the gated fields, then every
+        ``EXTRA_DELTA_METRICS`` figure either arm reports."""
+        reported = [
+            m
+            for m in EXTRA_DELTA_METRICS
+            if m in self.baseline.extra or m in self.candidate.extra
+        ]
+        return (*DELTA_METRICS, *reported)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -124,7 +162,7 @@ class Pair:
             "first": self.first,
             "baseline": self.baseline.as_dict(),
             "candidate": self.candidate.as_dict(),
-            "deltas_pct": {m: self.delta(m) for m in DELTA_METRICS},
+            "deltas_pct": {m: self.delta(m) for m in self.metrics()},
         }
 
 
@@ -289,7 +327,11 @@ def evaluate_gates(
 
 
 def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, DeltaSummary]:
-    return {m: summarize_deltas([p.delta(m) for p in pairs]) for m in DELTA_METRICS}
+    """Mean delta and interval per metric over the cell's pairs, matched by repetition:
+    the gated fields always, an ``extra`` figure when any pair reports it."""
+    reported = {m for p in pairs for m in p.metrics()}
+    metrics = [*DELTA_METRICS, *(m for m in EXTRA_DELTA_METRICS if m in reported)]
+    return {m: summarize_deltas([p.delta(m) for p in pairs]) for m in metrics}
 
 
 def classify(

@@ -49,7 +49,7 @@ EXPECTED = {
             "--kv-cache-memory-bytes",
             "1073741824",
             "--max-model-len",
-            "90000",
+            "32768",
         ],
         {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"},
     ),
