@@ -84,6 +84,11 @@ def test_child_killed_by_signal_maps_to_128_plus_n(env: dict[str, str]) -> None:
     assert subprocess.run([CLI, "run", "--", PY, "-c", code], env=env, timeout=60).returncode == 137
 
 
+def _default_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path, signum: int) -> None:
     """Each forwarded signal (SIGTERM, SIGINT, SIGHUP) sent to the manager reaches the
@@ -96,7 +101,10 @@ def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path, signum: 
         f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
     )
-    manager = subprocess.Popen([CLI, "run", "--", PY, "-c", child], env=env)
+    # Default dispositions: a signal ignored at start (pytest under nohup) is left ignored.
+    manager = subprocess.Popen(
+        [CLI, "run", "--", PY, "-c", child], env=env, preexec_fn=_default_signals
+    )
     pid = int(_wait_for(ready))
     manager.send_signal(signum)
     assert manager.wait(timeout=30) == 128 + signum

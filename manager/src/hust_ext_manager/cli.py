@@ -7,8 +7,10 @@ code 2 (argparse's own convention); ``run`` returns the child's exit code instea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -472,13 +474,16 @@ def _shutdown_hooks(
     """After the launch ended: each bundle's shutdown hook, its report on stderr.
 
     Signals are ignored meanwhile: the launch is over and its status decided, so a late
-    Ctrl-C must neither interrupt a clean-up half way nor change the exit status.
+    Ctrl-C must neither interrupt a clean-up half way nor change the exit status. For the
+    same reason a report line that cannot be written (stderr piped into a ``tee`` that the
+    same Ctrl-C ended) is dropped: every hook still runs and the status stays the child's.
     """
     with ignoring_signals():
         for bundle in bundles:
             configuration = configurations[bundle.bundle_id]
             for line in provider.bundle_shutdown(bundle, configuration):
-                print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
+                with contextlib.suppress(OSError, ValueError):  # ValueError: stderr closed
+                    print(f"vllm-hust-ext: {bundle.bundle_id}: {line}", file=sys.stderr)
 
 
 # --- parser -------------------------------------------------------------------------
@@ -583,6 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (OSError, ValueError) as error:
         parser.error(str(error))
+    except KeyboardInterrupt:
+        # Ctrl-C before ``run``'s supervisor took the signal over (a slow bundle check or
+        # service probe) or in another verb: nothing was launched; the shell's status for
+        # SIGINT, as ``run`` gives when signalled (spec §4), and no traceback.
+        return 128 + signal.SIGINT
     except Exception as error:  # never a traceback: the contract is one error line
         parser.error(f"internal error: {type(error).__name__}: {error}")
 

@@ -2,7 +2,9 @@
 
 Rendering never changes an argument the caller already gave: an equal value is accepted,
 a different one is a conflict. Supervision puts the child in its own session so the
-whole process tree can be signalled as one group and nothing outlives the manager.
+whole process tree can be signalled as one group and nothing outlives the manager. A
+forwarded signal (SIGTERM, SIGINT, SIGHUP) that was ignored when the manager started is
+left ignored, so the child inherits it as it would without the manager (``nohup``).
 """
 
 from __future__ import annotations
@@ -136,10 +138,15 @@ def write_native_manifests(native: Mapping[str, Any]) -> tuple[Path, dict[str, s
     """Write ``<i>-manifest.json`` files to a fresh temp dir; return it and the variables."""
     directory = Path(tempfile.mkdtemp(prefix="vllm-hust-ext-"))
     paths = []
-    for index, document in enumerate(native.values()):
-        path = directory / f"{index}-manifest.json"
-        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        paths.append(str(path))
+    try:
+        for index, document in enumerate(native.values()):
+            path = directory / f"{index}-manifest.json"
+            text = json.dumps(document, indent=2, sort_keys=True) + "\n"
+            path.write_text(text, encoding="utf-8")
+            paths.append(str(path))
+    except BaseException:
+        remove_directory(directory)  # the caller never learns the path: clean up here
+        raise
     return directory, {
         "VLLM_EXTENSION_MANIFESTS": os.pathsep.join(paths),
         "VLLM_EXTENSION_BUNDLES": ",".join(native),
@@ -240,8 +247,12 @@ def supervise(command: Sequence[str], environment: Mapping[str, str], grace: flo
     check_grace(grace)
     supervisor = _Supervisor(grace)
     previous = {signum: signal.getsignal(signum) for signum in _FORWARDED}
-    for signum in _FORWARDED:
-        signal.signal(signum, supervisor.on_signal)
+    for signum, handler in previous.items():
+        # A signal ignored when the manager started (``nohup`` ignores SIGHUP, a shell's
+        # background job SIGINT) stays ignored, and the child inherits that, exactly as if
+        # it had been started directly: ``nohup vllm-hust-ext run ...`` survives a hang-up.
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, supervisor.on_signal)
     try:
         supervisor.child = subprocess.Popen(
             list(command), env=dict(environment), start_new_session=True

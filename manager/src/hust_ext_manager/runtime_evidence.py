@@ -183,24 +183,39 @@ def _names_bundle(
     if event.get("extension_id") == bundle_id:
         return True
     entry = event.get("entry_point")
-    return isinstance(entry, dict) and (entry.get("group"), entry.get("name")) in entry_points
+    if not isinstance(entry, dict):
+        return False
+    group, name = entry.get("group"), entry.get("name")
+    # Only strings can name an entry point; a list or object here (a malformed line) must
+    # not reach the set lookup, where hashing it would raise.
+    return isinstance(group, str) and isinstance(name, str) and (group, name) in entry_points
 
 
 def runtime_effective_evidence(
     bundle_id: str, entry_points: set[tuple[str, str]] | None = None
 ) -> str | None:
-    """Evidence text for the newest live ``effective`` event of this bundle, else None."""
+    """Evidence text for the newest live ``effective`` event of this bundle, else None.
+
+    Each live process is judged by its own newest ``effective``/``disabled`` event: a
+    ``disabled`` line means *that* engine process fell back to the built-in policy, so it
+    hides only that process's earlier ``effective`` line, never another live process's.
+    """
     wanted = entry_points or set()
+    decided: set[tuple[str, int, str]] = set()
     for event in reversed(_events(evidence_path())):
-        if not _names_bundle(event, bundle_id, wanted) or not _alive(event["process"]):
+        if not _names_bundle(event, bundle_id, wanted):
+            continue
+        process = event["process"]
+        key = (process["host"], process["pid"], process["start_identity"])
+        if key in decided or not _alive(process):
             continue
         if event.get("event") == "disabled":
-            return None  # the live process has fallen back to the built-in policy
+            decided.add(key)  # this live process has fallen back to the built-in policy
+            continue
         effective = event.get("event") in ("effective", "runtime_effective") or (
             event.get("observation_kind") == "runtime_effective"
         )
         if effective:
-            process = event["process"]
             return (
                 f"live runtime evidence launch_id={event['launch_id']} pid={process['pid']} "
                 f"event={event.get('event')}"
