@@ -3,13 +3,17 @@
 The adapter supports an explicit list of vLLM versions. Any other version, a scheduler
 file whose RECORD hash differs from the pinned one, or a ``schedule`` whose victim-choice /
 removal statements do not have the expected shape fails at start-up (class creation) with
-:class:`UnsupportedHostError` naming the version and the missing statement. The modified
-sources below are made in memory from the installed method's AST; no vLLM text is stored.
+:class:`UnsupportedHostError` naming the version and the missing statement. So does a
+``Scheduler.schedule`` that a plugin or patch replaced before the adapter was imported (a
+``functools.wraps`` wrapper, or a copy defined elsewhere): the adapter rewrites only the
+method the hash-checked file defines. The modified sources below are made in memory from
+the installed method's AST; no vLLM text is stored.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import sys
@@ -83,6 +87,50 @@ def test_unsupported_version_fails_at_class_creation(
     with pytest.raises(rewrite.UnsupportedHostError) as info:
         spec.loader.exec_module(module)
     assert "vLLM 0.32.9" in str(info.value) and "0.33.0" in str(info.value)
+
+
+def _wrapped(original: Callable[..., object]) -> Callable[..., object]:
+    """A plugin's decorator: ``inspect`` follows its ``__wrapped__`` to vLLM's source."""
+
+    @functools.wraps(original)
+    def schedule(self: object, *args: object, **kwargs: object) -> object:
+        return original(self, *args, **kwargs)
+
+    return schedule
+
+
+def _copied(original: Callable[..., object], where: Path) -> Callable[..., object]:
+    """A plugin's copy of the method, in a module file of its own (its own globals)."""
+    path = where / "bidkv_probe_plugin.py"
+    path.write_text("from vllm.v1.core.sched.scheduler import *  # noqa: F403\n\n"
+                    + textwrap.dedent(inspect.getsource(original)))
+    spec = importlib.util.spec_from_file_location("bidkv_probe_plugin", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.schedule  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "copy"])
+def test_replaced_schedule_is_refused_at_class_creation(
+    rewrite: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str
+) -> None:
+    """Unrefused, a wrapper was dropped silently (and its defaults copied, so the first
+    ``schedule()`` raised TypeError mid-run); a plugin's copy was rewritten instead of the
+    checked file and run under vLLM's globals."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from bidkv_ext.hosts.vllm import scheduler
+
+    original = Scheduler.schedule
+    replaced = _wrapped(original) if kind == "wrapper" else _copied(original, tmp_path)
+    monkeypatch.setattr(Scheduler, "schedule", replaced)
+    spec = importlib.util.spec_from_file_location("bidkv_probe_scheduler", scheduler.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with pytest.raises(rewrite.UnsupportedHostError, match="not the method installed") as info:
+        spec.loader.exec_module(module)
+    assert "vLLM 0.33.0" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_rewritten_schedule_is_attached_and_named(vllm_offline: ModuleType) -> None:

@@ -13,7 +13,8 @@ guards that:
 2. its ``scheduled_encoder_inputs`` entry is removed and the encoder compute budget it used
    is restored, so a later request's image can still be encoded in the same step;
 3. the optional host fact ``needed_blocks`` counts the KV slots vLLM reserves past the
-   scheduled tokens for the drafter (``num_lookahead_tokens``), as ``allocate_slots`` does;
+   scheduled tokens for the drafter (``num_lookahead_tokens``), as ``allocate_slots`` does,
+   and, as it does, none past ``max_model_len``;
 
 and that, with a policy that abstains, spec-decode runs under priority scheduling (where the
 stock victim is often already scheduled) match unmodified vLLM step by step, draft tokens
@@ -248,6 +249,62 @@ def test_needed_blocks_counts_the_drafter_lookahead(vllm_offline: ModuleType) ->
     cached = out.scheduled_cached_reqs
     new_blocks = dict(zip(cached.req_ids, cached.new_block_ids, strict=True))
     assert new_blocks["1"] is not None and len(new_blocks["1"][0]) == facts.needed_blocks
+
+
+class FactsChoosing(FactsPolicy):
+    """Asks for host facts and picks a fixed request."""
+
+    def __init__(self, choose: str) -> None:
+        super().__init__()
+        self.choose = choose
+
+    def select_victim_with_facts(
+        self, context: PreemptionContext, facts: PreemptionContextFacts | None
+    ) -> str | None:
+        super().select_victim_with_facts(context, facts)
+        return self.choose
+
+
+def test_needed_blocks_stops_at_max_model_len(vllm_offline: ModuleType) -> None:
+    """Near ``max_model_len`` the drafter's lookahead is cut: ``allocate_slots`` reserves
+    ``min(computed + new + lookahead, max_model_len)`` slots, and so must the fact.
+
+    ``max_model_len`` 64, ``k = 3``. "R" (63-token prompt) holds 3 blocks after a first
+    45-token chunk; its last 18 tokens need 63 + 3 lookahead = 66 slots, capped at 64:
+    4 blocks, one more than it holds (uncapped it would be 5, two more). "V" took the last
+    free block earlier in the step; the policy picks it, and vLLM then gives "R" exactly
+    the one block the fact names.
+    """
+    policy = FactsChoosing("V")
+    scheduler = spec_scheduler(
+        vllm_offline,
+        method="draft_model",
+        num_speculative_tokens=3,
+        num_gpu_blocks=8,
+        preemption_policy=policy,
+        max_model_len=64,
+    )
+    assert (scheduler.num_lookahead_tokens, scheduler.max_model_len) == (3, 64)
+    scheduler.add_request(vllm_offline.make_request("V", list(range(10, 54)), 20, 1.0))
+    assert _step(vllm_offline, scheduler).num_scheduled_tokens == {"V": 44}
+    scheduler.add_request(vllm_offline.make_request("R", list(range(100, 163)), 1, 2.0))
+    budget = scheduler.max_num_scheduled_tokens
+    scheduler.max_num_scheduled_tokens = 46  # "V" decodes 1 token, "R" prefills 45
+    assert _step(vllm_offline, scheduler).num_scheduled_tokens == {"V": 1, "R": 45}
+    scheduler.max_num_scheduled_tokens = budget
+    assert vllm_offline.free_blocks(scheduler) == 1
+
+    out = scheduler.schedule()
+
+    assert len(policy.facts) == 1
+    facts = policy.facts[0]
+    assert facts is not None and facts.facts["R"].total_blocks == 3
+    assert out.preempted_req_ids == {"V"}
+    assert out.num_scheduled_tokens == {"R": 18}
+    cached = out.scheduled_cached_reqs
+    new_blocks = dict(zip(cached.req_ids, cached.new_block_ids, strict=True))
+    assert len(new_blocks["R"][0]) == 1
+    assert facts.needed_blocks == 1
 
 
 # --- stock equivalence under priority scheduling --------------------------------------------

@@ -410,14 +410,58 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
     return tree
 
 
+def _same_file(first: str, second: object) -> bool:
+    if not isinstance(second, str):
+        return False
+    if first == second:
+        return True
+    try:
+        return Path(first).samefile(second)
+    except OSError:  # "<string>", a removed file, ...
+        return False
+
+
+def _check_installed_method(
+    original: Callable[..., Any], module_globals: dict[str, Any], version: str
+) -> None:
+    """``original`` must be the method defined in the scheduler module itself.
+
+    A vLLM plugin (or any patch) may replace ``Scheduler.schedule`` before the adapter is
+    imported. Rewriting that would not rewrite the hash-checked installed method: a
+    ``functools.wraps`` wrapper's source is the original's (``inspect`` follows
+    ``__wrapped__``), so the wrapper would be dropped silently and its defaults copied
+    onto the rewritten method; a replacement from another module would be compiled
+    against the wrong globals. Either is refused at class creation instead.
+    """
+    code = getattr(original, "__code__", None)
+    module_file = module_globals.get("__file__")
+    if (
+        isinstance(original, types.FunctionType)
+        and code is not None
+        and getattr(original, "__wrapped__", None) is None
+        and original.__globals__ is module_globals
+        and _same_file(code.co_filename, module_file)
+    ):
+        return
+    where = getattr(code, "co_filename", None) or type(original).__name__
+    name = f"{getattr(original, '__module__', '?')}.{getattr(original, '__qualname__', '?')}"
+    raise UnsupportedHostError(
+        version,
+        f"Scheduler.schedule is not the method installed in {module_file} but {name} "
+        f"from {where} (a plugin or patch replaced it before the adapter was imported)",
+    )
+
+
 def build_schedule(
     original: Callable[..., Any], module_globals: dict[str, Any], *, version: str
 ) -> types.FunctionType:
     """Rewrite ``original`` (the installed ``Scheduler.schedule``) and compile it.
 
-    The code object's filename names the adapter and the vLLM version; line numbers are
-    shifted to match the installed file, so tracebacks point at the real lines.
+    ``original`` must be the method as the scheduler module defines it (not wrapped or
+    replaced). The code object's filename names the adapter and the vLLM version; line
+    numbers are shifted to match the installed file, so tracebacks point at the real lines.
     """
+    _check_installed_method(original, module_globals, version)
     try:
         lines, first_line = inspect.getsourcelines(original)
     except (OSError, TypeError) as exc:

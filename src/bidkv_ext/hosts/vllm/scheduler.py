@@ -75,7 +75,8 @@ class PolicySchedulerMixin:
     """The adapter half: owns the controller and answers the rewritten ``schedule``.
 
     Mixed in before a vLLM scheduler class; relies on its ``running``, ``policy``,
-    ``requests``, ``kv_cache_manager`` and ``num_lookahead_tokens`` attributes.
+    ``requests``, ``kv_cache_manager``, ``num_lookahead_tokens``, ``max_model_len`` and
+    ``block_size`` attributes.
     """
 
     controller: PolicyController
@@ -87,6 +88,7 @@ class PolicySchedulerMixin:
     requests: dict[str, Request]
     kv_cache_manager: Any
     num_lookahead_tokens: int
+    max_model_len: int
     block_size: int
 
     def __init__(self, *args: Any, preemption_policy: object = None, **kwargs: Any) -> None:
@@ -145,9 +147,10 @@ class PolicySchedulerMixin:
 
         ``needed_blocks`` is an estimate: the blocks (first KV-cache group) that
         ``request`` needs to hold ``num_computed_tokens + num_new_tokens + lookahead``
-        tokens, minus the blocks it already holds, minus the pool's free blocks (cached
-        free blocks count as free, as the allocator evicts them). Multi-group models and
-        sliding-window frees are not modelled.
+        tokens, capped at ``max_model_len`` as ``allocate_slots`` caps them, minus the
+        blocks it already holds, minus the pool's free blocks (cached free blocks count as
+        free, as the allocator evicts them). Multi-group models and sliding-window frees
+        are not modelled.
 
         ``pages_released`` is filled only when a capacity-signals source with a page model
         is registered (the replay's elastic pool): the pages on which every block held by a
@@ -202,7 +205,12 @@ class PolicySchedulerMixin:
             for rid, (exclusive, cached, total) in counts.items():
                 facts[rid] = CandidateFacts(exclusive, cached, total)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
-        tokens = request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens
+        # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
+        # near the end of a request would otherwise count a block it will not get).
+        tokens = min(
+            request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens,
+            self.max_model_len,
+        )
         required = -(-tokens // block_size) - held
         free = manager.block_pool.get_num_free_blocks()
         return PreemptionContextFacts(block_size, max(0, required - free), facts)
