@@ -1,18 +1,42 @@
 """Decision cost: microseconds per ``select_victim`` through the controller, per strategy.
 
-The yardstick, measured in the same run, is vLLM's own PRIORITY victim scan: ``max`` over the
-running requests with key ``(priority, arrival_time)``. The ratio to it is the portable
-figure (absolute microseconds vary 2-4x across CPUs). Prints a table; asserts nothing.
+evaluation.md section 6 sets the method. The anchor is vLLM's own PRIORITY victim scan
+(``max`` over the running requests with key ``(priority, arrival_time)``), timed in the same
+run on the same candidates; the ratio to it is the portable figure (absolute microseconds
+vary 2-4x across CPUs). vLLM's FCFS victim (``running.pop()``) is reported beside it.
 
-    python benchmarks/decision_cost.py [--sizes 8,64,256,1024] [--repeat 5]
+Method: every timed function is warmed up (one untimed batch), then all the rows of one
+candidate count are timed side by side: each of ``--repeat`` rounds times every row once
+(200 calls), starting one row further along each round, and a row's figure is its best
+round. Noise on a shared machine then hits the yardstick and the rows alike.
+
+Three tables per requester kind:
+
+* the policy's part: ``PolicyController.select_victim`` on a context built beforehand;
+* the host's whole call (not with ``--no-host``): the stock-vLLM adapter's per-call path
+  (``PolicySchedulerMixin._bidkv_select_victim``) on real vLLM ``Request`` objects with the
+  same values: built-in choice, the contract's snapshot of the running list, controller,
+  policy. BidKV runs there without host facts, as on a vLLM-HUST host (on the stock-vLLM
+  adapter its default also walks every running request's blocks, not timed here);
+* per-call p50 / p99 (``--samples`` single calls each, interleaved) against the budget of
+  section 6: p50 <= 20 us and p99 <= 100 us per call at N = 1024.
+
+Prints tables; asserts nothing.
+
+    python benchmarks/decision_cost.py [--sizes 8,64,256,1024,2048] [--repeat 5]
+                                       [--samples 1000] [--no-host]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
+import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
 
 from bidkv_ext.config import BidKVConfig
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
@@ -21,6 +45,14 @@ from bidkv_ext.selector import BidkvPreemptionPolicy
 
 STRATEGIES = ["builtin", "lifo", "priority", "largest-first", "least-computed-first", "random",
               "shortest-remaining", "cost-aware", "sglang", "bidkv"]
+NUMBER = 200  # calls per timed batch
+FCFS = "vLLM FCFS pop (+ append back)"
+YARDSTICK = "vLLM priority scan (yardstick)"
+BUDGET_N = 1024
+BUDGET_P50_US = 20.0
+BUDGET_P99_US = 100.0
+
+Timed = Callable[[], object]
 
 
 def make_context(n: int, rng: random.Random, requester: str = "decoding") -> PreemptionContext:
@@ -47,9 +79,127 @@ def make_context(n: int, rng: random.Random, requester: str = "decoding") -> Pre
     return PreemptionContext(tuple(cands), "fcfs", c.request_id, 0.98, 123.0, cands[-1].request_id)
 
 
-def best_us(fn: Callable[[], object], repeat: int) -> float:
-    number = 200
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+def priority_scan(running: Sequence[Any]) -> Any:
+    """vLLM's PRIORITY victim: the least urgent, then the latest arrival."""
+    return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+def fcfs_pop(running: Sequence[Any]) -> Timed:
+    """vLLM's FCFS victim, ``running.pop()``, on a copy; the append restores the list."""
+    tail = list(running)
+    return lambda: tail.append(tail.pop())
+
+
+def best_us(fns: Mapping[str, Timed], repeat: int, number: int = NUMBER) -> dict[str, float]:
+    """Best microseconds per call of every function, timed side by side (module doc)."""
+    names = list(fns)
+    for name in names:
+        timeit.timeit(fns[name], number=number)  # warm-up, untimed
+    best = dict.fromkeys(names, math.inf)
+    for round_ in range(repeat):
+        for k in range(len(names)):
+            name = names[(round_ + k) % len(names)]
+            best[name] = min(best[name], timeit.timeit(fns[name], number=number))
+    return {name: best[name] / number * 1e6 for name in names}
+
+
+def per_call_us(fns: Mapping[str, Timed], samples: int,
+                chunk: int = 50) -> dict[str, tuple[float, float]]:
+    """(p50, p99) microseconds of single calls, ``samples`` per function, interleaved in
+    chunks so that every function sees the same machine (warm them up first)."""
+    clock = time.perf_counter_ns
+    names = list(fns)
+    times: dict[str, list[int]] = {name: [] for name in names}
+    while len(times[names[0]]) < samples:
+        for name in names:
+            fn, out = fns[name], times[name]
+            for _ in range(min(chunk, samples - len(out))):
+                start = clock()
+                fn()
+                out.append(clock() - start)
+    return {name: (_quantile(times[name], 0.50), _quantile(times[name], 0.99))
+            for name in names}
+
+
+def _quantile(values: list[int], q: float) -> float:
+    """Linear-interpolated quantile of nanosecond samples, in microseconds."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return (ordered[low] + (ordered[high] - ordered[low]) * (at - low)) / 1e3
+
+
+def controller_for(strategy: str, **settings: Any) -> PolicyController:
+    # Default settings; the repeated context never trips the liveness guard because no
+    # victim is actually preempted between calls.
+    config = BidKVConfig(enabled=True, strategy=strategy, **settings)
+    return PolicyController(BidkvPreemptionPolicy(config))
+
+
+def policy_rows(context: PreemptionContext) -> dict[str, Timed]:
+    """The anchors and every strategy's controller call, on one context."""
+    running = context.candidates
+    rows: dict[str, Timed] = {
+        FCFS: fcfs_pop(running),
+        YARDSTICK: lambda: priority_scan(running),
+    }
+    for name in STRATEGIES:
+        controller = controller_for(name)
+        rows[name] = lambda c=controller: c.select_victim(context)
+    return rows
+
+
+def host_requests(context: PreemptionContext) -> list[Any]:
+    """Real vLLM ``Request`` objects carrying the context's candidate values, in order."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    requests = []
+    for c in context.candidates:
+        params = SamplingParams(ignore_eos=True, max_tokens=c.max_tokens)
+        request = Request(c.request_id, [1] * c.num_prompt_tokens, params, None,
+                          arrival_time=c.arrival_time, priority=c.priority)
+        if c.num_output_tokens:
+            request.append_output_token_ids([1] * c.num_output_tokens)
+        request.num_computed_tokens = c.num_computed_tokens
+        request.num_preemptions = c.num_preemptions
+        requests.append(request)
+    return requests
+
+
+def host_call(requests: list[Any], context: PreemptionContext,
+              controller: PolicyController) -> Timed:
+    """One call of the adapter's per-decision path, on a stand-in for the scheduler that
+    holds only what that path reads (running, policy, controller, KV usage, requests)."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    from bidkv_ext.hosts.vllm.scheduler import PolicySchedulerMixin
+
+    by_id = {r.request_id: r for r in requests}
+    host = SimpleNamespace(
+        running=requests, policy=SchedulingPolicy.FCFS, controller=controller,
+        kv_cache_manager=SimpleNamespace(usage=context.kv_cache_usage), requests=by_id,
+    )
+    requester = by_id[context.requesting_request_id]
+    select = PolicySchedulerMixin._bidkv_select_victim
+    return lambda: select(host, requester, context.now, 1)  # type: ignore[arg-type]
+
+
+HOST_YARDSTICK = "vLLM priority scan on Requests (yardstick)"
+HOST_ROWS = ("host, no policy", "host + builtin (abstains)",
+             "host + bidkv{use_host_facts=false}")
+
+
+def host_rows(context: PreemptionContext) -> dict[str, Timed]:
+    requests = host_requests(context)
+    return {
+        HOST_YARDSTICK: lambda: priority_scan(requests),
+        HOST_ROWS[0]: host_call(requests, context, PolicyController(None)),
+        HOST_ROWS[1]: host_call(requests, context, controller_for("builtin")),
+        HOST_ROWS[2]: host_call(requests, context,
+                                controller_for("bidkv", use_host_facts=False)),
+    }
 
 
 def _positive(text: str) -> int:
@@ -73,44 +223,62 @@ def _sizes(text: str) -> list[int]:
         ) from None
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=_sizes, default=[8, 64, 256, 1024],
-                        help="comma-separated candidate counts (default 8,64,256,1024)")
-    parser.add_argument("--repeat", type=_positive, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--sizes", type=_sizes, default=[8, 64, 256, 1024, 2048],
+                        help="comma-separated candidate counts (default 8,64,256,1024,2048)")
+    parser.add_argument("--repeat", type=_positive, default=5,
+                        help="timed rounds per row; a row's figure is its best (default 5)")
+    parser.add_argument("--samples", type=_positive, default=1000,
+                        help="single calls per row for p50/p99 (default 1000)")
+    parser.add_argument("--no-host", action="store_true",
+                        help="skip the host-path table (it imports vLLM)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     sizes: list[int] = args.sizes
     rng = random.Random(7)
     for kind in ("decoding", "prefilling"):
-        print(f"\nRequester {kind}:\n")
         contexts = {n: make_context(n, rng, kind) for n in sizes}
-        table(contexts, sizes, args.repeat)
-
-
-def table(contexts: dict[int, PreemptionContext], sizes: list[int], repeat: int) -> None:
-    rows: dict[str, list[float]] = {}
-    yard = []
-    for n in sizes:
-        running = contexts[n].candidates
-        yard.append(best_us(lambda r=running: max(r, key=lambda c: (c.priority, c.arrival_time)),
-                            repeat))
-    for name in STRATEGIES:
-        # Default settings; the repeated context never trips the liveness guard because no
-        # victim is actually preempted between calls.
-        config = BidKVConfig(enabled=True, strategy=name)
-        rows[name] = []
+        print(f"\nRequester {kind}: the policy's part (controller call)\n")
+        policy = {n: policy_rows(contexts[n]) for n in sizes}
+        table({n: best_us(policy[n], args.repeat) for n in sizes}, sizes, YARDSTICK)
+        host = {} if args.no_host else {n: host_rows(contexts[n]) for n in sizes}
+        if host:
+            print(f"\nRequester {kind}: the host's whole call (stock-vLLM adapter, real "
+                  "Requests)\n")
+            table({n: best_us(host[n], args.repeat) for n in sizes}, sizes, HOST_YARDSTICK)
+        print(f"\nRequester {kind}: single calls, p50 / p99 µs (budget at N={BUDGET_N}: "
+              f"p50 <= {BUDGET_P50_US:g}, p99 <= {BUDGET_P99_US:g})\n")
+        percentiles = {}
         for n in sizes:
-            controller = PolicyController(BidkvPreemptionPolicy(config))
-            context = contexts[n]
-            rows[name].append(best_us(lambda c=controller, x=context: c.select_victim(x),
-                                      repeat))
-    header = "| strategy | " + " | ".join(f"N={n} µs (x yardstick)" for n in sizes) + " |"
-    print(header)
+            rows = {YARDSTICK: policy[n][YARDSTICK], "bidkv": policy[n]["bidkv"]}
+            if host:
+                rows[HOST_ROWS[2]] = host[n][HOST_ROWS[2]]
+            percentiles[n] = per_call_us(rows, args.samples)
+        quantile_table(percentiles, sizes)
+
+
+def table(results: Mapping[int, Mapping[str, float]], sizes: list[int], yardstick: str) -> None:
+    print("| row | " + " | ".join(f"N={n} µs (x yardstick)" for n in sizes) + " |")
     print("|" + "---|" * (len(sizes) + 1))
-    print("| vLLM priority scan (yardstick) | "
-          + " | ".join(f"{y:.1f} (1.00x)" for y in yard) + " |")
-    for name, values in rows.items():
-        cells = " | ".join(f"{v:.1f} ({v / y:.2f}x)" for v, y in zip(values, yard, strict=True))
+    for name in results[sizes[0]]:
+        cells = " | ".join(
+            f"{results[n][name]:.1f} ({results[n][name] / results[n][yardstick]:.2f}x)"
+            for n in sizes
+        )
+        print(f"| {name} | {cells} |")
+
+
+def quantile_table(results: Mapping[int, Mapping[str, tuple[float, float]]],
+                   sizes: list[int]) -> None:
+    print("| row | " + " | ".join(f"N={n} p50 / p99 µs" for n in sizes) + " |")
+    print("|" + "---|" * (len(sizes) + 1))
+    for name in results[sizes[0]]:
+        cells = " | ".join(f"{results[n][name][0]:.1f} / {results[n][name][1]:.1f}"
+                           for n in sizes)
         print(f"| {name} | {cells} |")
 
 

@@ -1,0 +1,111 @@
+"""``benchmarks/decision_cost.py`` measures what evaluation.md section 6 asks for.
+
+Guarded behaviour:
+
+* every row of one candidate count is warmed up, then timed side by side with the
+  yardstick (each round times every row, in rotating order), so that the published ratio
+  is measured in one run on one machine state rather than minutes apart;
+* the report has vLLM's FCFS ``pop`` beside the PRIORITY scan, every strategy, and the
+  per-call p50 / p99 against the section's budget;
+* the default sizes cover the anchor (1,024) and the section's curve up to 2,048;
+* the host-path rows run the stock-vLLM adapter's real per-call code on real vLLM
+  ``Request`` objects and hand the policy exactly the candidates the policy-only rows use,
+  so both tables time the same candidate set.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import decision_cost
+
+from bidkv_ext.contract import PreemptionContext
+from bidkv_ext.controller import PolicyController
+
+
+def test_rows_are_warmed_up_then_timed_side_by_side() -> None:
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("yard", "a", "b")}
+    result = decision_cost.best_us(fns, repeat=3, number=1)
+    assert set(result) == {"yard", "a", "b"}
+    assert all(v >= 0.0 for v in result.values())
+    warm_up, rounds = calls[:3], calls[3:]
+    assert warm_up == ["yard", "a", "b"]
+    # Each round times every row once, starting one row further along each round.
+    assert rounds == ["yard", "a", "b", "a", "b", "yard", "b", "yard", "a"]
+
+
+def test_per_call_quantiles_interleave_and_count_samples() -> None:
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("x", "y")}
+    result = decision_cost.per_call_us(fns, samples=5, chunk=2)
+    assert calls == ["x", "x", "y", "y", "x", "x", "y", "y", "x", "y"]
+    for p50, p99 in result.values():
+        assert 0.0 <= p50 <= p99
+
+
+def test_quantile_interpolates_linearly() -> None:
+    assert decision_cost._quantile([1000, 2000, 3000, 4000], 0.5) == 2.5
+    assert decision_cost._quantile([1000, 2000], 0.99) == pytest.approx(1.99)
+
+
+def test_default_sizes_cover_the_anchor_and_the_spec_curve() -> None:
+    sizes = decision_cost.build_parser().parse_args([]).sizes
+    assert decision_cost.BUDGET_N in sizes
+    assert max(sizes) >= 2048 and 64 in sizes
+
+
+def test_report_has_both_anchors_every_strategy_and_the_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    decision_cost.main(["--sizes", "8,48", "--repeat", "1", "--samples", "3", "--no-host"])
+    out = capsys.readouterr().out
+    for kind in ("decoding", "prefilling"):
+        assert f"Requester {kind}: the policy's part" in out
+    rows = [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| row")]
+    for name in (decision_cost.FCFS, decision_cost.YARDSTICK, *decision_cost.STRATEGIES):
+        assert rows.count(name) >= 2, name
+    assert "p50 <= 20, p99 <= 100" in out
+    assert "| N=8 p50 / p99 µs | N=48 p50 / p99 µs |" in out
+    assert "host" not in out  # --no-host skips the vLLM table
+
+
+class _Recorder:
+    """A contract policy that records the context it is handed and picks candidate 0."""
+
+    def __init__(self) -> None:
+        self.seen: list[PreemptionContext] = []
+
+    def select_victim(self, context: PreemptionContext) -> str | None:
+        self.seen.append(context)
+        return context.candidates[0].request_id
+
+
+@pytest.mark.parametrize("kind", ["decoding", "prefilling"])
+def test_host_path_hands_the_policy_the_same_candidates(kind: str) -> None:
+    context = decision_cost.make_context(64, random.Random(3), kind)
+    requests = decision_cost.host_requests(context)
+    recorder = _Recorder()
+    victim = decision_cost.host_call(requests, context, PolicyController(recorder))()
+    assert recorder.seen[0] == context
+    assert victim is requests[0]
+    # The yardstick on real Requests picks the same victim as on the candidates.
+    assert (decision_cost.priority_scan(requests).request_id
+            == decision_cost.priority_scan(context.candidates).request_id)
+
+
+def test_host_path_bidkv_chooses_as_the_policy_only_rows() -> None:
+    context = decision_cost.make_context(256, random.Random(5), "prefilling")
+    requests = decision_cost.host_requests(context)
+    expected = decision_cost.controller_for("bidkv").select_victim(context)
+    controller = decision_cost.controller_for("bidkv", use_host_facts=False)
+    victim = decision_cost.host_call(requests, context, controller)()
+    assert victim.request_id == expected
+    assert controller.stats.selections == 1
