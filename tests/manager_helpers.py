@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,13 @@ def install_bundles(
         record.append(f"{relative},,\n")
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     (info / "RECORD").write_text("".join(record))
+
+
+def wait_for_text(path: Path, timeout: float = 30.0) -> str:
+    """The stripped text of ``path`` once a process has written some, polling."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never appeared")

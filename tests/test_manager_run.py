@@ -34,6 +34,8 @@ from hust_ext_manager.launch import (
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.manager_helpers import wait_for_text
+
 CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
 PY = sys.executable
 
@@ -44,15 +46,6 @@ def env(tmp_path: Path) -> dict[str, str]:
     environment = dict(os.environ)
     environment["VLLM_HUST_EXT_CONFIG"] = str(tmp_path / "config.json")
     return environment
-
-
-def _wait_for(path: Path, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.02)
-    raise AssertionError(f"{path} never appeared")
 
 
 def _alive(pid: int) -> bool:
@@ -105,10 +98,10 @@ def test_sigterm_reaches_the_child(env: dict[str, str], tmp_path: Path, signum: 
     manager = subprocess.Popen(
         [CLI, "run", "--", PY, "-c", child], env=env, preexec_fn=_default_signals
     )
-    pid = int(_wait_for(ready))
+    pid = int(wait_for_text(ready))
     manager.send_signal(signum)
     assert manager.wait(timeout=30) == 128 + signum
-    assert _wait_for(got) == str(int(signum))
+    assert wait_for_text(got) == str(int(signum))
     assert not _alive(pid)
 
 
@@ -128,7 +121,7 @@ def test_child_ignoring_sigterm_is_killed_after_grace(env: dict[str, str], tmp_p
     manager = subprocess.Popen(
         [CLI, "run", "--shutdown-grace-seconds", "0.5", "--", PY, "-c", child], env=env
     )
-    pid = int(_wait_for(ready))
+    pid = int(wait_for_text(ready))
     manager.send_signal(signal.SIGTERM)
     assert manager.wait(timeout=60) == 128 + signal.SIGTERM
     assert not _alive(pid)
@@ -179,7 +172,7 @@ def test_no_orphans_remain_in_the_process_group(env: dict[str, str], tmp_path: P
         [CLI, "run", "--shutdown-grace-seconds", "0.5", "--", PY, "-c", child], env=env, timeout=60
     )
     assert done.returncode == 3
-    pgid, grandchild_pid = (int(x) for x in _wait_for(ready).split())
+    pgid, grandchild_pid = (int(x) for x in wait_for_text(ready).split())
     assert group_members(pgid) == []
     assert not _alive(grandchild_pid)
 
@@ -194,7 +187,7 @@ def test_second_signal_sigkills_a_running_child_at_once(
     manager = subprocess.Popen(
         [CLI, "run", "--shutdown-grace-seconds", "60", "--", PY, "-c", child], env=env
     )
-    pid = int(_wait_for(ready))
+    pid = int(wait_for_text(ready))
     try:
         manager.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the first signal be handled, so the two do not merge
@@ -231,7 +224,7 @@ def test_group_cleanup_shares_the_grace_deadline(env: dict[str, str], tmp_path: 
     manager = subprocess.Popen(
         [CLI, "run", "--shutdown-grace-seconds", "3", "--", PY, "-c", child], env=env
     )
-    pgid, grandchild_pid = (int(x) for x in _wait_for(ready).split())
+    pgid, grandchild_pid = (int(x) for x in wait_for_text(ready).split())
     try:
         started = time.monotonic()
         manager.send_signal(signal.SIGTERM)

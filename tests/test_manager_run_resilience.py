@@ -21,7 +21,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import pytest
 
 from bidkv_ext.evidence import evidence_line
-from tests.manager_helpers import install_bundles, invoke
+from tests.manager_helpers import install_bundles, invoke, wait_for_text
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -40,15 +39,6 @@ CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
 PY = sys.executable
 BINDING = {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _wait_for(path: Path, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.02)
-    raise AssertionError(f"{path} never appeared")
 
 
 def _enable(tmp_path: Path, ids: list[str]) -> None:
@@ -103,12 +93,12 @@ def test_a_signal_ignored_at_start_stays_ignored_and_the_child_inherits_it(
         preexec_fn=start_like_nohup,
     )
     try:
-        assert _wait_for(ready) == "True"  # the child ignores it too, as under nohup
+        assert wait_for_text(ready) == "True"  # the child ignores it too, as under nohup
         manager.send_signal(ignored)
         manager.send_signal(signal.SIGTERM)
         # Had the ignored signal been handled, it would be the first one: 128 + 1 or 2.
         assert manager.wait(timeout=30) == 128 + signal.SIGTERM
-        assert _wait_for(got) == str(int(signal.SIGTERM))
+        assert wait_for_text(got) == str(int(signal.SIGTERM))
     finally:
         if manager.poll() is None:
             manager.kill()
@@ -148,7 +138,7 @@ def test_ctrl_c_before_the_launch_is_exit_130_without_a_traceback(tmp_path: Path
         text=True,
     )
     try:
-        _wait_for(started)
+        wait_for_text(started)
         manager.send_signal(signal.SIGINT)
         _, err = manager.communicate(timeout=30)
     finally:
