@@ -220,7 +220,8 @@ class Case:
 
     @property
     def needs(self) -> list[int]:
-        """Blocks each request holds at most (the CLI's ``_fits`` rule: prompt + output)."""
+        """Blocks each request may hold, rounded up from prompt + output positions: at least
+        what the CLI's ``_fits`` rule needs (prompt + output - 1), so a drawn pool fits it."""
         size = self.settings.block_size
         return [-(-(r.input_length + r.output_length) // size) for r in self.requests]
 

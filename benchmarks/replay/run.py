@@ -193,15 +193,25 @@ def _goals(cell: Cell, arms: dict[str, dict[str, Any]], prefix_caching: bool) ->
     return f"- `{cell.name}`: {marks}"
 
 
-def _no_pressure(traces: Path, cell: Cell, out: Path) -> dict[str, Any]:
-    """The cell's trace and knobs with KV to spare, built-in victim only: its one arm."""
+def _no_pressure(traces: Path, cell: Cell, out: Path, requests: int) -> dict[str, Any]:
+    """The cell's trace and knobs with KV to spare, built-in victim only: its one arm.
+
+    evaluation.md section 2: the same requests as the cell (``requests``, what the cell
+    replayed after its filters; a smaller pool removes more requests too big for it) and no
+    preemption. Anything else is no floor for the recovered fraction: the suite stops."""
     knobs = list(cell.args)
     if "--num-gpu-blocks" in knobs:
         at = knobs.index("--num-gpu-blocks")
         del knobs[at:at + 2]
     argv = ["--trace", str(traces / cell.trace), *knobs, "--num-gpu-blocks",
             str(NO_PRESSURE_BLOCKS), "--policies", BUILTIN]
-    return replay_arms(argv, out, f"the no-pressure run of {cell.name}")[BUILTIN]
+    floor = replay_arms(argv, out, f"the no-pressure run of {cell.name}")[BUILTIN]
+    if floor["requests"] != requests or floor["preemptions"]:
+        raise SystemExit(
+            f"run.py: the no-pressure run of {cell.name} ({NO_PRESSURE_BLOCKS} blocks) replayed "
+            f"{floor['requests']} requests with {floor['preemptions']} preemptions; expected "
+            f"the cell's {requests} requests and no preemption")
+    return floor
 
 
 def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> str:
@@ -228,7 +238,8 @@ def run_suite(suite: str, traces: Path, cells: list[Cell], out_root: Path) -> st
         rows += [_row(cell, report, arm, speeds[arm["label"]]) for arm in report["arms"]]
         if suite == "comparison":
             goals.append(_goals(cell, by_label, report["settings"]["enable_prefix_caching"]))
-            floor = _no_pressure(traces, cell, out_root / f"{suite}-{cell.name}-no-pressure")
+            floor = _no_pressure(traces, cell, out_root / f"{suite}-{cell.name}-no-pressure",
+                                 report["trace"]["requests"])
             rows.append(_row(cell, report, {**floor, "label": "no-pressure run (builtin, "
                              f"{NO_PRESSURE_BLOCKS} blocks)"}, None))
             captures.append(f"- `{cell.name}`: {_captures(by_label, floor)}")

@@ -236,7 +236,11 @@ def _sha256(path: Path) -> str:
 
 
 def _fits(request: TraceRequest, usable_blocks: int, block_size: int) -> bool:
-    return -(-(request.input_length + request.output_length) // block_size) <= usable_blocks
+    """Whether the request can run alone in the pool. Its KV holds the positions the model
+    executes: the prompt and every output token but the last, which is sampled and never
+    fed back (vLLM allocates slots for ``num_computed_tokens + num_new_tokens``)."""
+    positions = request.input_length + request.output_length - 1
+    return -(-positions // block_size) <= usable_blocks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
