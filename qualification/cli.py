@@ -1,8 +1,9 @@
-"""Command line: ``python -m qualification {run,release-check,profiles}``.
+"""Command line: ``python -m qualification {run,release-check,profiles,rollback}``.
 
-Exit codes: 0 gate (or release check) passed; 1 it did not; 2 bad input or an environment
-that cannot run the profile (one line on stderr, no traceback); 130 interrupted (SIGINT)
-and 143 terminated (SIGTERM), in both cases after the running arm's server was stopped.
+Exit codes: 0 gate (or release check, or rollback step) passed; 1 it did not; 2 bad input
+or an environment that cannot run the profile (one line on stderr, no traceback); 130
+interrupted (SIGINT) and 143 terminated (SIGTERM), in both cases after the running arm's
+server was stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from qualification.errors import QualificationError, one_line
-from qualification.profile import MAX_REPEATS, PROFILE_DIR, load_profile
+from qualification.profile import MAX_REPEATS, PROFILE_DIR, ManagerSpec, load_profile
 
 __all__ = ["main"]
 
@@ -51,6 +52,24 @@ def _parser() -> argparse.ArgumentParser:
         help=f"record file or directory, repeatable (default {DEFAULT_RECORDS})",
     )
     sub.add_parser("profiles", help="list the bundled profiles")
+    back = sub.add_parser(
+        "rollback",
+        help="print the rollback plan (qualification.md §10); run its manager steps and "
+        "verify the fallback only when asked",
+    )
+    back.add_argument("--extension-id", default=ManagerSpec().extension_id, help="bundle id")
+    back.add_argument(
+        "--disable", action="store_true", help="run `vllm-hust-ext extension disable ID`"
+    )
+    back.add_argument(
+        "--forget", action="store_true", help="disable, then `vllm-hust-ext extension forget ID`"
+    )
+    back.add_argument(
+        "--verify-log",
+        type=Path,
+        metavar="ENGINE_LOG",
+        help="check the restarted engine's log: policy=builtin enabled=False or no policy line",
+    )
     return parser
 
 
@@ -61,6 +80,7 @@ def _say(text: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from qualification.report import procedure_notes
     from qualification.runner import ensure_out_dir, launch_plan, render_with_manager, run_profile
 
     if args.repeats is not None and not 1 <= args.repeats <= MAX_REPEATS:
@@ -87,6 +107,8 @@ def _run(args: argparse.Namespace) -> int:
     _say(f"plot:   {result.plot_path}")
     for outcome in result.outcomes:
         _say(f"{outcome.cell}: {outcome.label} ({outcome.reason})")
+    for note in procedure_notes(result.outcomes):
+        _say(f"policy environment missing: {note}")
     gate = result.record["gate"]
     assert isinstance(gate, dict)
     if result.passed:
@@ -121,6 +143,42 @@ def _release_check(args: argparse.Namespace) -> int:
     return 1
 
 
+def _read_log(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise QualificationError(
+            f"--verify-log {path}: cannot be read ({exc.strerror or exc}); "
+            "expected the restarted engine's log file"
+        ) from None
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from qualification.rollback import manager_step, plan, verify_fallback
+
+    ext = args.extension_id
+    if not ext or not ext.isprintable():
+        raise QualificationError(f"--extension-id {ext!r} is invalid: expected a bundle id")
+    log_text = None if args.verify_log is None else _read_log(args.verify_log)
+    verbs = (["disable"] if args.disable or args.forget else []) + (
+        ["forget"] if args.forget else []
+    )
+    if not verbs and log_text is None:
+        for line in plan(ext):
+            _say(line)
+        return 0
+    for verb in verbs:
+        ok, said = manager_step(ManagerSpec().command, verb, ext)
+        _say(said)
+        if not ok:
+            return 1
+    if log_text is not None:
+        fallback = verify_fallback(log_text)
+        _say(f"fallback {'verified' if fallback.verified else 'NOT verified'}: {fallback.detail}")
+        return 0 if fallback.verified else 1
+    return 0
+
+
 class _Terminated(BaseException):
     """SIGTERM, raised where the run is so that its ``finally`` blocks stop the server."""
 
@@ -152,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(args)
         if args.command == "release-check":
             return _release_check(args)
+        if args.command == "rollback":
+            return _rollback(args)
         for path in sorted(PROFILE_DIR.glob("*.toml")):
             print(path.stem)
         return 0

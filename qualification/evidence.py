@@ -23,6 +23,7 @@ __all__ = [
     "gauge",
     "metric_delta",
     "parse_prometheus",
+    "policy_init_lines",
 ]
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -131,6 +132,11 @@ def counters_from_evidence(path: Path) -> tuple[dict[str, int] | None, bool | No
             if isinstance(stats.get("policy_name"), str):
                 name = str(stats["policy_name"])
     return (counters or None), enabled, name
+
+
+def policy_init_lines(text: str) -> list[tuple[str, bool]]:
+    """Every ``Preemption policy initialized`` line's (policy, enabled), in order."""
+    return [(policy, flag == "True") for policy, flag in _INIT_LINE.findall(text)]
 
 
 def enabled_from_log(text: str) -> tuple[bool | None, str | None]:

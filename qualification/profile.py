@@ -106,6 +106,9 @@ class ServerSpec(_Frozen):
     # Stock vLLM through our adapter: the scheduler class used by *both* arms, so the
     # baseline differs from the candidate only by the policy.
     scheduler_cls: str | None = None
+    # Run once per arm after /health (qualification.md §2 step 3), its output recorded;
+    # unset: the lane's (nvidia-smi for cuda, npu-smi info for ascend); [] none.
+    device_snapshot_command: tuple[str, ...] | None = None
     ready_timeout_s: float = Field(default=1800.0, gt=0)
     stop_timeout_s: float = Field(default=120.0, gt=0)
     # Log-derived gates (qualification.md §6 gate 5); None disables the check.

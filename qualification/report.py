@@ -11,7 +11,13 @@ from pathlib import Path
 
 from qualification.verdict import ArmResult, CellOutcome
 
-__all__ = ["gate_summary", "write_json_atomic", "write_markdown", "write_plot"]
+__all__ = [
+    "gate_summary",
+    "procedure_notes",
+    "write_json_atomic",
+    "write_markdown",
+    "write_plot",
+]
 
 
 def _finite(value: object) -> object:
@@ -106,6 +112,7 @@ def write_markdown(
             lines.append(f"- {g.name}: **{g.status}**" + (f" — {g.detail}" if g.detail else ""))
         lines.append(f"- verdict reason: {o.reason}")
         lines.append("")
+    lines += _procedure_section(outcomes)
     lines += ["## Raw figures per repeat", ""]
     lines.append(
         "| Cell | Rep | First | Arm | tok/s | TTFT P50/P95 s | Latency P50/P95 s | "
@@ -141,6 +148,53 @@ def write_markdown(
         "",
     ]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def procedure_notes(outcomes: Sequence[CellOutcome]) -> list[str]:
+    """Every arm whose engine children did not carry the policy's ``BIDKV_UTILITY_*``
+    environment (qualification.md §2 step 4). Reported, not gated: §6 gates the
+    policy-enabled gauge that this leads to, not the environment itself."""
+    notes = []
+    for o in outcomes:
+        for p in o.pairs:
+            for a in (p.baseline, p.candidate):
+                env = a.procedure.get("policy_environment")
+                if isinstance(env, Mapping) and env.get("status") == "missing":
+                    notes.append(f"{o.cell} rep {p.repetition} {a.arm}: {env.get('detail')}")
+    return notes
+
+
+def _cell_text(value: object) -> str:
+    return str(value).replace("|", "\\|")
+
+
+def _procedure_row(cell: str, rep: int, a: ArmResult) -> str:
+    snap, env, log = (a.procedure.get(k) for k in ("device_snapshot", "policy_environment", "log"))
+    shot = "-"
+    if isinstance(snap, Mapping):
+        shot = f"{snap.get('status')}" + (f": {snap['detail']}" if snap.get("detail") else "")
+    carried = f"{env.get('status')}" if isinstance(env, Mapping) else "-"
+    where = f"{log.get('path')} ({log.get('bytes')} bytes)" if isinstance(log, Mapping) else "-"
+    return (
+        f"| {cell} | {rep} | {a.arm} | {_cell_text(shot)} | {carried} | {_cell_text(where)} |"
+    )
+
+
+def _procedure_section(outcomes: Sequence[CellOutcome]) -> list[str]:
+    """qualification.md §2 steps 3, 4 and 7 per arm (serve profiles only)."""
+    arms = [(o.cell, p.repetition, a) for o in outcomes for p in o.pairs
+            for a in (p.baseline, p.candidate)]
+    if not any(a.procedure for _, _, a in arms):
+        return []
+    notes = [f"- **policy environment missing**: {n}" for n in procedure_notes(outcomes)]
+    lines = ["## Per-arm procedure", "", *notes, *([""] if notes else [])]
+    lines += [
+        "| Cell | Rep | Arm | Device snapshot | Engine children's policy environment "
+        "| Log slice |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [_procedure_row(cell, rep, a) for cell, rep, a in arms]
+    return [*lines, ""]
 
 
 def _total(values: Sequence[float | int | None]) -> str:

@@ -28,7 +28,13 @@ from qualification import RECORD_SCHEMA
 from qualification.errors import ManagerVerbError, QualificationError
 from qualification.manager import Arm, ManagerSession, require_tool
 from qualification.profile import CellSpec, Profile
-from qualification.report import gate_summary, write_json_atomic, write_markdown, write_plot
+from qualification.report import (
+    gate_summary,
+    procedure_notes,
+    write_json_atomic,
+    write_markdown,
+    write_plot,
+)
 from qualification.serve import ServeArm, serve_command, serve_environment
 from qualification.verdict import ArmResult, CellOutcome, Pair, evaluate_cell
 
@@ -307,6 +313,8 @@ def build_record(profile: Profile, outcomes: list[CellOutcome], repeats: int) ->
             **dict.fromkeys(profile.blocked_cells, "blocked"),
         },
         "gate": gate_summary(outcomes),
+        # qualification.md §2 step 4: arms whose engine children lacked BIDKV_UTILITY_*.
+        "procedure_notes": procedure_notes(outcomes),
     }
 
 

@@ -1,9 +1,10 @@
 """One arm on a real server: ``vllm-hust-ext run -- vllm serve ...`` (GPU profiles).
 
-Per arm (qualification.md §2): fresh server, wait for ``/health``, one deterministic
-warm-up request (its hash is the short-output gate), scrape ``/metrics``, run the cell,
-scrape again, and for the cancel cell wait for the engine to drain and send the recovery
-request. The server is always stopped in a ``finally`` through the manager, which
+Per arm (qualification.md §2): fresh server, wait for ``/health``, snapshot the device
+and (candidate) read the engine processes' policy environment (``procedure.py``), one
+deterministic warm-up request (its hash is the short-output gate), scrape ``/metrics``,
+run the cell, scrape again, and for the cancel cell wait for the engine to drain and send
+the recovery request. The server is always stopped in a ``finally`` through the manager, which
 forwards the signal to the engine's process group.
 """
 
@@ -43,6 +44,12 @@ from qualification.evidence import (
 )
 from qualification.figures import serve_figures
 from qualification.manager import Arm, ManagerSession
+from qualification.procedure import (
+    log_facts,
+    policy_environment,
+    snapshot_command,
+    snapshot_device,
+)
 from qualification.profile import CellSpec, Profile, ServerSpec
 from qualification.verdict import ArmResult
 
@@ -205,6 +212,7 @@ class ServeArm:
             )
             try:
                 up = self._wait_ready(proc, server.ready_timeout_s)
+                facts = self._procedure(arm, proc.pid) if up else {}
                 load = asyncio.run(self._load(cell, repetition)) if up else None
                 if load is not None and load.error:
                     load = replace(load, error=load.error + _exit_note(proc))
@@ -214,9 +222,22 @@ class ServeArm:
                         down = f"server exited with status {proc.returncode} before /health"
             finally:
                 self._stop(proc, server.stop_timeout_s)
+        facts["log"] = log_facts(self.log_path, self.log_path.parent)
         if load is None:
-            return self._not_started(arm, argv, down, time.monotonic() - started)
-        return self._result(arm, argv, load, time.monotonic() - started)
+            return self._not_started(arm, argv, down, time.monotonic() - started, facts)
+        return self._result(arm, argv, load, time.monotonic() - started, facts)
+
+    def _procedure(self, arm: Arm, manager_pid: int) -> dict[str, object]:
+        """qualification.md §2 step 3 (device snapshot) and, for the candidate, step 4
+        (the policy environment of the manager, the engine and its children), right after
+        /health; neither ever fails the arm."""
+        server = self.profile.server
+        assert server is not None
+        command = snapshot_command(server.device_snapshot_command, self.profile.accelerator)
+        facts: dict[str, object] = {"device_snapshot": snapshot_device(command).as_dict()}
+        if arm == "candidate":
+            facts["policy_environment"] = policy_environment(manager_pid).as_dict()
+        return facts
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -312,7 +333,9 @@ class ServeArm:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    def _not_started(self, arm: Arm, argv: Sequence[str], why: str, wall: float) -> ArmResult:
+    def _not_started(
+        self, arm: Arm, argv: Sequence[str], why: str, wall: float, facts: dict[str, object]
+    ) -> ArmResult:
         log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
         # The log's last line usually says why (a manager refusal, an engine error).
         tail = log_text.strip().splitlines()[-1:]
@@ -323,9 +346,12 @@ class ServeArm:
             command=tuple(argv),
             tracebacks=log_text.count(_TRACEBACK),
             policy_enabled=enabled_from_log(log_text)[0],
+            procedure=facts,
         )
 
-    def _result(self, arm: Arm, argv: Sequence[str], load: _Load, wall: float) -> ArmResult:
+    def _result(
+        self, arm: Arm, argv: Sequence[str], load: _Load, wall: float, facts: dict[str, object]
+    ) -> ArmResult:
         server = self.profile.server
         assert server is not None
         log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
@@ -379,6 +405,7 @@ class ServeArm:
                 **figures,
                 **self._prompt_tokens(load, before, after),
             },
+            procedure=facts,
         )
 
     @staticmethod

@@ -91,6 +91,9 @@ class ArmResult:
     wall_s: float = 0.0
     command: tuple[str, ...] = ()
     extra: Mapping[str, object] = field(default_factory=dict)
+    # qualification.md §2 steps 3, 4, 7 (serve arms): device snapshot, the candidate's
+    # policy environment per process, the arm's log; facts, not gates.
+    procedure: Mapping[str, object] = field(default_factory=dict)
 
     @classmethod
     def not_started(
@@ -117,6 +120,7 @@ class ArmResult:
         data["invoked"] = self.invoked
         data["counters"] = None if self.counters is None else dict(self.counters)
         data["extra"] = dict(self.extra)
+        data["procedure"] = dict(self.procedure)
         return data
 
 
