@@ -19,9 +19,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ENV_PREFIX", "MAX_WEIGHT", "BidKVConfig", "ConfigError"]
+__all__ = ["ENV_PREFIX", "MAX_WEIGHT", "RESEARCH_STRATEGY_ENV", "BidKVConfig", "ConfigError"]
 
 ENV_PREFIX = "BIDKV_UTILITY_"
+# The reference's research hooks chose their rule from this variable; with the utility
+# policy enabled the reference refused it, and so does this package.
+RESEARCH_STRATEGY_ENV = "BIDKV_STRATEGY"
 ADDITIONAL_CONFIG_KEY = "bidkv"
 
 # The reference BidKV read its settings from top-level additional_config keys; a user
@@ -160,7 +163,15 @@ class BidKVConfig(BaseModel):
                 values[key] = value
                 origin[key] = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]"
         values.update(overrides)
-        return cls.validated(values, origin)
+        config = cls.validated(values, origin)
+        if config.enabled and environ is not None and RESEARCH_STRATEGY_ENV in environ:
+            # The reference refused this pair too: its research hook's strategy variable
+            # would otherwise be ignored and the policy run another rule without a word.
+            raise ConfigError(
+                f"{RESEARCH_STRATEGY_ENV} is the reference BidKV's research-hook variable and "
+                f"is not read with the policy enabled; set {cls.env_name('strategy')} instead"
+            )
+        return config
 
     @classmethod
     def validated(cls, values: Mapping[str, Any], origin: Mapping[str, str]) -> BidKVConfig:
