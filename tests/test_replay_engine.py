@@ -259,12 +259,13 @@ def test_a_step_that_only_preempts_keeps_the_clock() -> None:
     assert run.returns == 2 and run.return_steps == 2 * (10 - 2)
 
 
-# Mooncake rows (milliseconds); the last (113 tokens = 8 blocks of 16) exceeds 7 usable
-# blocks by one token and is removed before the replay.
+# Mooncake rows (milliseconds); the last executes 100 + 14 - 1 = 113 positions (its last
+# output token is never fed back) = 8 blocks of 16, one position more than 7 usable blocks
+# hold, and is removed before the replay.
 MOONCAKE = "".join(
     json.dumps({"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": [i]})
     + "\n" for i, (ts, inp, out) in enumerate([(0, 16, 1), (0, 16, 2), (1000, 16, 3),
-                                                (2000, 100, 13)]))
+                                                (2000, 100, 14)]))
 
 
 class _Bar:

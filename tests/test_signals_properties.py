@@ -605,6 +605,7 @@ def _stub_scheduler(h: Holding) -> Any:
     manager = SimpleNamespace(get_blocks=lists.__getitem__,
                               block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0))
     return SimpleNamespace(kv_cache_manager=manager, block_size=16, num_lookahead_tokens=0,
+                           max_model_len=1 << 20,
                            running=[SimpleNamespace(request_id=rid) for rid in h.held])
 
 
