@@ -102,12 +102,13 @@ class ClairvoyantShortestRemaining:
 
     def select_victim(self, context: PreemptionContext) -> str | None:
         best_id: str | None = None
-        best_key = (-1, 0)
+        best_key = (0, 0)
         true_output = self._true_output
         for c in context.candidates:
             remaining = true_output.get(c.request_id, c.max_tokens) - c.num_output_tokens
             key = (remaining, -c.num_computed_tokens)
-            if key > best_key:
+            # The argmax whatever its value: a request past its length is still a victim.
+            if best_id is None or key > best_key:
                 best_key = key
                 best_id = c.request_id
         return best_id
