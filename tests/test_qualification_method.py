@@ -25,7 +25,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ from qualification.report import write_markdown
 from qualification.runner import build_record
 from qualification.serve import build_requests, serve_command
 from qualification.verdict import COUNTER_NAMES, ArmResult, Pair, evaluate_cell
+from tests.serve_helpers import free_port
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 needs_manager = pytest.mark.skipif(
@@ -271,12 +271,6 @@ ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _cancel_profile(tmp: Path) -> Path:
     engine = tmp / "fake-vllm"
     engine.write_text(STAND_IN)
@@ -296,7 +290,7 @@ configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
 shutdown_grace_seconds = 2
 [server]
 command = ["{engine}"]
-port = {_free_port()}
+port = {free_port()}
 enforce_eager = true
 ready_timeout_s = 30
 stop_timeout_s = 5

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ from qualification.procedure import (
     snapshot_device,
 )
 from qualification.profile import load_profile
+from tests.serve_helpers import free_port
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 needs_manager = pytest.mark.skipif(
@@ -122,12 +122,6 @@ ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
 SNAPSHOT = "print('index, memory.used [MiB]'); print('0, 1234 MiB')"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _profile(tmp: Path, snapshot: list[str], candidate_env: str) -> Path:
     engine = tmp / "fake-vllm"
     engine.write_text(STAND_IN)
@@ -146,7 +140,7 @@ configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
 shutdown_grace_seconds = 2
 [server]
 command = ["{engine}"]
-port = {_free_port()}
+port = {free_port()}
 enforce_eager = true
 ready_timeout_s = 30
 stop_timeout_s = 5

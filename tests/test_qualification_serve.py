@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from qualification.evidence import (
     enabled_from_log,
     parse_prometheus,
 )
+from tests.serve_helpers import free_port
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 needs_manager = pytest.mark.skipif(
@@ -89,12 +89,6 @@ ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
 PARAGRAPH = "one two three four five. "
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _profile(tmp: Path, candidate_env: dict[str, str]) -> Path:
     engine = tmp / "fake-vllm"
     engine.write_text(FAKE_ENGINE)
@@ -114,7 +108,7 @@ configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
 shutdown_grace_seconds = 2
 [server]
 command = ["{engine}"]
-port = {_free_port()}
+port = {free_port()}
 enforce_eager = true
 ready_timeout_s = 30
 stop_timeout_s = 5

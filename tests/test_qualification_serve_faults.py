@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from types import FrameType
 import pytest
 
 from qualification.cli import main
+from tests.serve_helpers import free_port
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 pytestmark = pytest.mark.skipif(
@@ -102,12 +102,6 @@ ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _profile(
     tmp: Path,
     candidate_fault: str,
@@ -134,7 +128,7 @@ configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
 shutdown_grace_seconds = 1
 [server]
 command = ["{engine}"]
-port = {port or _free_port()}
+port = {port or free_port()}
 enforce_eager = true
 ready_timeout_s = 20
 stop_timeout_s = 5

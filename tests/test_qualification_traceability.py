@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ from qualification.report import write_markdown
 from qualification.runner import build_record
 from qualification.stats import summarize_deltas
 from qualification.verdict import COUNTER_NAMES, ArmResult, Pair, evaluate_cell
+from tests.serve_helpers import free_port
 
 MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
 needs_manager = pytest.mark.skipif(
@@ -392,12 +392,6 @@ TIMEOUT_S = 3.0
 MAX_TOKENS = 60  # 10 ms a token: every stream outlasts the 0.3 s cancel
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _tp4_profile(tmp: Path) -> Path:
     """A TP-4 graph-mode cancel cell with the Ascend lane's log patterns."""
     ascend = load_profile("ascend-tp4").server
@@ -420,7 +414,7 @@ configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
 shutdown_grace_seconds = 2
 [server]
 command = ["{engine}"]
-port = {_free_port()}
+port = {free_port()}
 graph_mode = "FULL_DECODE_ONLY"
 device_snapshot_command = []
 ready_timeout_s = 30
