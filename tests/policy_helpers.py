@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
 from kvcached_provider import signals
@@ -67,3 +68,15 @@ class PageModelSource:
 
     def page_model(self) -> signals.PageModel | None:
         return self.model
+
+
+class Fixed:
+    """A contract policy that gives one fixed answer (any object) and counts its calls."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def select_victim(self, context: PreemptionContext) -> Any:
+        self.calls += 1
+        return self.answer

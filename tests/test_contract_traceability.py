@@ -84,7 +84,7 @@ from bidkv_ext.contract import (
 )
 from bidkv_ext.controller import PolicyController, builtin_victim_id, load_policy
 from tests.conftest import drive_workload, seeded_workload
-from tests.policy_helpers import cand, ctx, raised_in_another_thread
+from tests.policy_helpers import Fixed, cand, ctx, raised_in_another_thread
 from tests.test_host_adapter import Recorder, _pressured, _step, _three_requests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,16 +239,6 @@ def test_the_init_line_is_info(caplog: pytest.LogCaptureFixture) -> None:
 # --- per-call rules (§5) ------------------------------------------------------------------
 
 
-class Fixed:
-    def __init__(self, answer: object) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def select_victim(self, context: PreemptionContext) -> Any:
-        self.calls += 1
-        return self.answer
-
-
 @pytest.mark.parametrize(("answer", "shown"), [("zzz", "'zzz'"), (7, "7"), (["a"], "['a']")])
 def test_the_error_line_is_the_contracts(
     answer: object, shown: str, caplog: pytest.LogCaptureFixture
@@ -262,7 +252,7 @@ def test_the_error_line_is_the_contracts(
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [(r.levelno, r.getMessage()) for r in errors] == [(
         logging.ERROR,
-        f"Preemption policy {__name__}.Fixed failed (returned unknown request ID {shown})"
+        f"Preemption policy {Fixed.__module__}.Fixed failed (returned unknown request ID {shown})"
         + ERROR_TAIL,
     )]
 

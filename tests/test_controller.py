@@ -12,20 +12,10 @@ import pytest
 
 from bidkv_ext.contract import PreemptionContext
 from bidkv_ext.controller import PolicyController, builtin_victim_id, load_policy
-from tests.policy_helpers import cand, ctx, raised_in_another_thread
+from tests.policy_helpers import Fixed, cand, ctx, raised_in_another_thread
 
 KEYS = ["policy_name", "enabled", "calls", "selections", "abstentions", "failures",
         "invalid_selections"]
-
-
-class Fixed:
-    def __init__(self, answer: object) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def select_victim(self, context: PreemptionContext) -> Any:
-        self.calls += 1
-        return self.answer
 
 
 class Boom:
