@@ -547,7 +547,7 @@ def write_section(suite: str, text: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--traces", type=Path, default=REPO.parent / "shared" / "traces")
     parser.add_argument("--cells", default=None, help="comma-separated cell names (default all)")
