@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,12 +38,7 @@ from qualification.report import write_markdown
 from qualification.runner import build_record
 from qualification.serve import build_requests, serve_command
 from qualification.verdict import COUNTER_NAMES, ArmResult, Pair, evaluate_cell
-from tests.serve_helpers import free_port
-
-MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-needs_manager = pytest.mark.skipif(
-    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
-)
+from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
 
 GIB = 1 << 30
 # qualification.md §1: the Ascend lane's 1 GiB KV budget holds ~55,050 tokens.
@@ -176,34 +169,29 @@ def test_the_cancel_burst_cancels_every_other_stream_from_the_first() -> None:
 # --- one serve arm end to end -------------------------------------------------------
 
 RECOVERY = "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
-STAND_IN = f"""\
-#!{sys.executable}
+STAND_IN = stand_in_script(
+    about="""\
 # A stand-in for `vllm serve`: logs what it is asked, in order, to FAKE_EVENTS; streams a
 # token every 20 ms; answers the recovery prompt with its text and then its end-of-sequence
 # (so ignore_eos makes it go on, as a real engine would); counts policy calls when
 # FAKE_POLICY is set.
-import json, os, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-PORT = int(sys.argv[sys.argv.index("--port") + 1])
+""",
+    setup="""\
 EVENTS = os.environ["FAKE_EVENTS"]
 POLICY = os.environ.get("FAKE_POLICY") == "1"
 lock = threading.Lock()
-state = {{"running": 0, "posts": 0, "local": 0}}
+state = {"running": 0, "posts": 0, "local": 0}
 
 
 def event(text):
     with lock, open(EVENTS, "a") as f:
         f.write(text + "\\n")
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"
-
+""",
+    handler=f"""\
     def do_GET(self):
         event("GET " + self.path)
         if self.path == "/health":
-            return self._head("text/plain", b"ok")
+            return self._send(b"ok")
         with lock:
             body = (
                 f"vllm:num_requests_running {{state['running']}}\\n"
@@ -220,7 +208,7 @@ class Handler(BaseHTTPRequestHandler):
                     'vllm:preemption_policy_events_total{{event="invalid_selections"}} 0\\n'
                     "vllm:preemption_policy_enabled 1\\n"
                 )
-        self._head("text/plain", body.encode())
+        self._send(body.encode())
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -252,56 +240,27 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with lock:
                 state["running"] -= 1
-
-    def _chunk(self, obj):
-        self.wfile.write(f"data: {{json.dumps(obj)}}\\n\\n".encode())
-        self.wfile.flush()
-
-    def _head(self, kind, body):
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
-"""
+""",
+)
 
 
 def _cancel_profile(tmp: Path) -> Path:
-    engine = tmp / "fake-vllm"
-    engine.write_text(STAND_IN)
-    engine.chmod(0o755)
-    profile = tmp / "cancel.toml"
-    profile.write_text(
-        f"""\
-name = "cancel"
-kind = "serve"
-accelerator = "cuda"
-model = "m"
-host_version_range = ">=0"
-repeats = 1
-blocked_cells = ["liveness-0"]
-[manager]
-configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
-shutdown_grace_seconds = 2
-[server]
-command = ["{engine}"]
-port = {free_port()}
-enforce_eager = true
-ready_timeout_s = 30
-stop_timeout_s = 5
+    return serve_profile(
+        tmp,
+        "cancel",
+        STAND_IN,
+        top='blocked_cells = ["liveness-0"]\n',
+        server=f"""\
 environment = {{ FAKE_EVENTS = "{tmp / 'events-'}" }}
 candidate_environment = {{ FAKE_POLICY = "1" }}
-[workload]
+""",
+        workload=f"""\
 paragraph = "one two three. "
 request_timeout_s = 20
 cancel_drain_bound_s = 2.0
 recovery_expected = "{RECOVERY}"
-[[cells]]
+""",
+        cells="""\
 name = "burst"
 paragraph_repeats = [2, 3]
 delays_s = [0, 0, 0.2, 0.2]
@@ -309,9 +268,8 @@ num_requests = 4
 concurrency = 4
 max_tokens = 40
 cancel_after_s = 0.4
-"""
+""",
     )
-    return profile
 
 
 def _collapsed(lines: list[str]) -> list[str]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,57 +35,50 @@ from qualification.procedure import (
     snapshot_device,
 )
 from qualification.profile import load_profile
-from tests.serve_helpers import free_port
+from tests.serve_helpers import MANAGER, needs_manager, serve_profile, stand_in_script
 
-MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-needs_manager = pytest.mark.skipif(
-    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
-)
 needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="no Linux /proc")
 BUNDLE = "org.vllm-hust.bidkv"
 
-STAND_IN = f"""\
-#!{sys.executable}
+STAND_IN = stand_in_script(
+    about="""\
 # A stand-in for `vllm serve` with an engine-core child. The child gets BIDKV_UTILITY_*
 # only when VLLM_ENGINE_EXTRA_ENV_PREFIXES names the prefix; the policy is enabled only
 # when the child has BIDKV_UTILITY_ENABLE=1. Appends "<server pid> <child pid> <enabled>"
 # to FAKE_PIDS before serving.
-import json, os, subprocess, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+""",
+    setup="""\
+import subprocess
 
-PORT = int(sys.argv[sys.argv.index("--port") + 1])
 allowed = [p for p in os.environ.get("VLLM_ENGINE_EXTRA_ENV_PREFIXES", "").split(",") if p]
-child_env = {{
+child_env = {
     k: v for k, v in os.environ.items()
     if not k.startswith("BIDKV_UTILITY_") or any(k.startswith(p) for p in allowed)
-}}
+}
 WATCH = "import os, time\\np = os.getppid()\\nwhile os.getppid() == p:\\n    time.sleep(0.2)\\n"
 child = subprocess.Popen([sys.executable, "-c", WATCH], env=child_env)
 POLICY = child_env.get("BIDKV_UTILITY_ENABLE") == "1"
-print(f"engine core child pid={{child.pid}} policy={{POLICY}}", flush=True)
+print(f"engine core child pid={child.pid} policy={POLICY}", flush=True)
 with open(os.environ["FAKE_PIDS"], "a") as f:
-    f.write(f"{{os.getpid()}} {{child.pid}} {{POLICY}}\\n")
+    f.write(f"{os.getpid()} {child.pid} {POLICY}\\n")
 lock = threading.Lock()
-state = {{"posts": 0}}
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"
-
+state = {"posts": 0}
+""",
+    handler="""\
     def do_GET(self):
         if self.path == "/health":
-            return self._head(b"ok")
+            return self._send(b"ok")
         with lock:
             calls = state["posts"] if POLICY else 0
         body = (
             "vllm:num_requests_running 0\\nvllm:num_requests_waiting 0\\n"
-            f"vllm:num_preemptions_total {{calls}}\\n"
-            f'vllm:preemption_policy_events_total{{{{event="calls"}}}} {{calls}}\\n'
-            'vllm:preemption_policy_events_total{{event="failures"}} 0\\n'
-            'vllm:preemption_policy_events_total{{event="invalid_selections"}} 0\\n'
-            f"vllm:preemption_policy_enabled {{int(POLICY)}}\\n"
+            f"vllm:num_preemptions_total {calls}\\n"
+            f'vllm:preemption_policy_events_total{{event="calls"}} {calls}\\n'
+            'vllm:preemption_policy_events_total{event="failures"} 0\\n'
+            'vllm:preemption_policy_events_total{event="invalid_selections"} 0\\n'
+            f"vllm:preemption_policy_enabled {int(POLICY)}\\n"
         )
-        self._head(body.encode())
+        self._send(body.encode())
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -96,69 +88,39 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         for i in range(req["max_tokens"]):
-            self._chunk({{"choices": [{{"text": f" t{{i}}"}}]}})
+            self._chunk({"choices": [{"text": f" t{i}"}]})
             time.sleep(0.005)
-        usage = {{"prompt_tokens": len(req["prompt"].split()), "completion_tokens": 1}}
-        self._chunk({{"choices": [], "usage": usage}})
+        usage = {"prompt_tokens": len(req["prompt"].split()), "completion_tokens": 1}
+        self._chunk({"choices": [], "usage": usage})
         self.wfile.write(b"data: [DONE]\\n\\n")
-
-    def _chunk(self, obj):
-        self.wfile.write(f"data: {{json.dumps(obj)}}\\n\\n".encode())
-        self.wfile.flush()
-
-    def _head(self, body):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
-"""
+""",
+)
 
 SNAPSHOT = "print('index, memory.used [MiB]'); print('0, 1234 MiB')"
 
 
 def _profile(tmp: Path, snapshot: list[str], candidate_env: str) -> Path:
-    engine = tmp / "fake-vllm"
-    engine.write_text(STAND_IN)
-    engine.chmod(0o755)
-    profile = tmp / "procedure.toml"
-    profile.write_text(
-        f"""\
-name = "procedure"
-kind = "serve"
-accelerator = "cuda"
-model = "m"
-host_version_range = ">=0"
-repeats = 1
-[manager]
-configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
-shutdown_grace_seconds = 2
-[server]
-command = ["{engine}"]
-port = {free_port()}
-enforce_eager = true
-ready_timeout_s = 30
-stop_timeout_s = 5
+    return serve_profile(
+        tmp,
+        "procedure",
+        STAND_IN,
+        server=f"""\
 device_snapshot_command = {json.dumps(snapshot)}
 environment = {{ FAKE_PIDS = "{tmp / 'pids'}" }}
 candidate_environment = {candidate_env}
-[workload]
+""",
+        workload="""\
 paragraph = "one two three. "
 request_timeout_s = 20
-[[cells]]
+""",
+        cells="""\
 name = "c"
 paragraph_repeats = [2]
 num_requests = 2
 concurrency = 2
 max_tokens = 8
-"""
+""",
     )
-    return profile
 
 
 def _run(tmp: Path, snapshot: list[str], candidate_env: str) -> tuple[int, dict[str, Any]]:

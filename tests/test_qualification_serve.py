@@ -11,8 +11,6 @@ initialisation line (the built-in victim never counts as an enabled policy)."""
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,31 +22,21 @@ from qualification.evidence import (
     enabled_from_log,
     parse_prometheus,
 )
-from tests.serve_helpers import free_port
-
-MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-needs_manager = pytest.mark.skipif(
-    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
-)
+from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
 
 RECOMPUTE = 7
-FAKE_ENGINE = f"""\
-#!{sys.executable}
-# A stand-in for `vllm serve`: /health, /metrics and streaming /v1/completions.
-import json, os, sys, threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-PORT = int(sys.argv[sys.argv.index("--port") + 1])
+FAKE_ENGINE = stand_in_script(
+    about="# A stand-in for `vllm serve`: /health, /metrics and streaming /v1/completions.\n",
+    setup="""\
 DIE_ON_METRICS = int(os.environ.get("FAKE_DIE_ON_METRICS", "0"))
 NO_USAGE = os.environ.get("FAKE_NO_USAGE") == "1"
 lock = threading.Lock()
-state = {{"local": 0, "scrapes": 0}}
-
-
-class Handler(BaseHTTPRequestHandler):
+state = {"local": 0, "scrapes": 0}
+""",
+    handler=f"""\
     def do_GET(self):
         if self.path == "/health":
-            return self._send("text/plain", b"ok")
+            return self._send(b"ok")
         with lock:
             state["scrapes"] += 1
             if state["scrapes"] == DIE_ON_METRICS:
@@ -58,7 +46,7 @@ class Handler(BaseHTTPRequestHandler):
                 f'{{state["local"]}}\\nvllm:num_requests_running 0\\n'
                 "vllm:num_requests_waiting 0\\n"
             )
-        self._send("text/plain", body.encode())
+        self._send(body.encode())
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -71,59 +59,31 @@ class Handler(BaseHTTPRequestHandler):
             usage = {{"prompt_tokens": prompt_tokens, "completion_tokens": req["max_tokens"]}}
             chunks.append({{"choices": [], "usage": usage}})
         lines = [f"data: {{json.dumps(c)}}\\n\\n" for c in chunks] + ["data: [DONE]\\n\\n"]
-        self._send("text/event-stream", "".join(lines).encode())
-
-    def _send(self, kind, body):
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
-"""
+        self._send("".join(lines).encode(), "text/event-stream")
+""",
+)
 
 PARAGRAPH = "one two three four five. "
 
 
 def _profile(tmp: Path, candidate_env: dict[str, str]) -> Path:
-    engine = tmp / "fake-vllm"
-    engine.write_text(FAKE_ENGINE)
-    engine.chmod(0o755)
     env = ", ".join(f'{k} = "{v}"' for k, v in candidate_env.items())
-    profile = tmp / "fake-serve.toml"
-    profile.write_text(
-        f"""\
-name = "fake-serve"
-kind = "serve"
-accelerator = "cuda"
-model = "m"
-host_version_range = ">=0"
-repeats = 1
-[manager]
-configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
-shutdown_grace_seconds = 2
-[server]
-command = ["{engine}"]
-port = {free_port()}
-enforce_eager = true
-ready_timeout_s = 30
-stop_timeout_s = 5
-candidate_environment = {{ {env} }}
-[workload]
+    return serve_profile(
+        tmp,
+        "fake-serve",
+        FAKE_ENGINE,
+        server=f"candidate_environment = {{ {env} }}\n",
+        workload=f"""\
 paragraph = "{PARAGRAPH}"
 request_timeout_s = 20
-[[cells]]
+""",
+        cells="""\
 name = "c"
 paragraph_repeats = [2, 3]
 max_tokens = 4
 concurrency = 2
-"""
+""",
     )
-    return profile
 
 
 def _run(tmp: Path, candidate_env: dict[str, str]) -> tuple[int, dict[str, object]]:

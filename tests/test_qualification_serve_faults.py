@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,22 +28,17 @@ from types import FrameType
 import pytest
 
 from qualification.cli import main
-from tests.serve_helpers import free_port
+from tests.serve_helpers import MANAGER, needs_manager, serve_profile, stand_in_script
 
-MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-pytestmark = pytest.mark.skipif(
-    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
-)
+pytestmark = needs_manager
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-FAULT_ENGINE = f"""\
-#!{sys.executable}
-# A stand-in for `vllm serve` that misbehaves as FAKE_FAULT says.
-import json, os, signal, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+FAULT_ENGINE = stand_in_script(
+    about="# A stand-in for `vllm serve` that misbehaves as FAKE_FAULT says.\n",
+    setup="""\
+import signal
 
-PORT = int(sys.argv[sys.argv.index("--port") + 1])
 FAULT = os.environ.get("FAKE_FAULT", "")
 with open(os.path.join(os.environ["FAKE_PID_DIR"], str(os.getpid())), "w") as f:
     f.write(str(os.getppid()))  # the manager
@@ -54,9 +48,8 @@ if FAULT == "never-healthy":
     time.sleep(3600)
 lock = threading.Lock()
 posts = [0]
-
-
-class Handler(BaseHTTPRequestHandler):
+""",
+    handler="""\
     def do_GET(self):
         if self.path == "/health":
             return self._send(b"\\xff\\xfe ok" if FAULT == "undecodable" else b"ok")
@@ -65,7 +58,7 @@ class Handler(BaseHTTPRequestHandler):
             size = int(os.environ["FAKE_METRICS_BYTES"])
             return self._send(line * (size // len(line) + 1))
         with lock:
-            body = f"vllm:num_preemptions_total {{posts[0]}}\\n".encode()
+            body = f"vllm:num_preemptions_total {posts[0]}\\n".encode()
         if FAULT == "undecodable":
             body = b"\\xff\\xfe garbage \\xc3\\n" + body + b"vllm:\\xff 1\\n"
         self._send(body)
@@ -78,28 +71,17 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(500)
             self.end_headers()
             return self.wfile.write(b"first line\\nsecond line\\n")
-        chunks = [{{"choices": [{{"text": f" t{{i}}"}}]}} for i in range(req["max_tokens"])]
-        usage = {{"prompt_tokens": 3, "completion_tokens": req["max_tokens"]}}
+        chunks = [{"choices": [{"text": f" t{i}"}]} for i in range(req["max_tokens"])]
+        usage = {"prompt_tokens": 3, "completion_tokens": req["max_tokens"]}
         if FAULT == "huge-usage":
-            usage = {{"prompt_tokens": 10**400, "completion_tokens": 10**400}}
-        chunks.append({{"choices": [], "usage": usage}})
-        lines = [f"data: {{json.dumps(c)}}\\n\\n" for c in chunks]
+            usage = {"prompt_tokens": 10**400, "completion_tokens": 10**400}
+        chunks.append({"choices": [], "usage": usage})
+        lines = [f"data: {json.dumps(c)}\\n\\n" for c in chunks]
         if FAULT == "lone-surrogate":
-            lines.insert(1, 'data: {{"choices": [{{"text": "\\\\ud800"}}]}}\\n\\n')
+            lines.insert(1, 'data: {"choices": [{"text": "\\\\ud800"}]}\\n\\n')
         self._send("".join(lines + ["data: [DONE]\\n\\n"]).encode(), "text/event-stream")
-
-    def _send(self, body, kind="text/plain"):
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
-"""
+""",
+)
 
 
 def _profile(
@@ -110,40 +92,26 @@ def _profile(
     port: int | None = None,
     extra_env: str = "",
 ) -> Path:
-    engine = tmp / "fake-vllm"
-    engine.write_text(FAULT_ENGINE)
-    engine.chmod(0o755)
     (tmp / "pids").mkdir()
-    profile = tmp / "faults.toml"
-    profile.write_text(
-        f"""\
-name = "faults"
-kind = "serve"
-accelerator = "cuda"
-model = "m"
-host_version_range = ">=0"
-repeats = 1
-[manager]
-configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
-shutdown_grace_seconds = 1
-[server]
-command = ["{engine}"]
-port = {port or free_port()}
-enforce_eager = true
-ready_timeout_s = 20
-stop_timeout_s = 5
+    return serve_profile(
+        tmp,
+        "faults",
+        FAULT_ENGINE,
+        shutdown_grace_seconds=1,
+        port=port,
+        ready_timeout_s=20,
+        server=f"""\
 environment = {{ FAKE_PID_DIR = "{tmp / 'pids'}", FAKE_FAULT = "{baseline_fault}" }}
 candidate_environment = {{ FAKE_FAULT = "{candidate_fault}"{extra_env} }}
-[workload]
-request_timeout_s = 10
-[[cells]]
+""",
+        workload="request_timeout_s = 10\n",
+        cells="""\
 name = "c"
 paragraph_repeats = [2, 3]
 max_tokens = 4
 concurrency = 2
-"""
+""",
     )
-    return profile
 
 
 def _engines(tmp: Path) -> dict[int, int]:

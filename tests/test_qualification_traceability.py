@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -42,12 +41,7 @@ from qualification.report import write_markdown
 from qualification.runner import build_record
 from qualification.stats import summarize_deltas
 from qualification.verdict import COUNTER_NAMES, ArmResult, Pair, evaluate_cell
-from tests.serve_helpers import free_port
-
-MANAGER = shutil.which("vllm-hust-ext") or str(Path(sys.executable).parent / "vllm-hust-ext")
-needs_manager = pytest.mark.skipif(
-    not Path(MANAGER).is_file(), reason="vllm-hust-ext is not installed"
-)
+from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
 
 RECOVERY = "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
 REPO = Path(__file__).resolve().parent.parent
@@ -295,21 +289,19 @@ def test_no_request_is_sent_before_its_arrival_delay(holding_server: _HoldingSer
 
 # --- §3, §4, §6 through a real serve arm -------------------------------------------------
 
-STAND_IN = f"""\
-#!{sys.executable}
+STAND_IN = stand_in_script(
+    about="""\
 # A stand-in for `vllm serve` that logs like a TP-4 graph-mode engine. FAKE_FAULTY=1 (the
 # candidate) logs no graph capture, only TP ranks 0-2 and a traceback, and stalls request 1
 # past the client's timeout. /metrics reports one waiting request on its 2nd and 3rd
 # scrapes (the drain), and each POST is written to FAKE_POSTS with the scrape count.
-import json, os, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-PORT = int(sys.argv[sys.argv.index("--port") + 1])
+""",
+    setup="""\
 POSTS = os.environ["FAKE_POSTS"]
 FAULTY = os.environ.get("FAKE_FAULTY") == "1"
 STALL_S = float(os.environ["FAKE_STALL_S"])
 lock = threading.Lock()
-state = {{"running": 0, "scrapes": 0, "posts": 0}}
+state = {"running": 0, "scrapes": 0, "posts": 0}
 
 ranks = ["(Worker rank=0) ready", "(Worker tp_rank=1) ready", "(Worker TP rank 2) ready",
          "(Worker rank=3) ready"]
@@ -319,14 +311,11 @@ if FAULTY:
           file=sys.stderr, flush=True)
 else:
     print("INFO Graph capturing finished in 2 secs", flush=True)
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"
-
+""",
+    handler=f"""\
     def do_GET(self):
         if self.path == "/health":
-            return self._head(b"ok")
+            return self._send(b"ok")
         with lock:
             state["scrapes"] += 1
             waiting = 1 if state["scrapes"] in (2, 3) else 0
@@ -338,7 +327,7 @@ class Handler(BaseHTTPRequestHandler):
                 'vllm:preemption_policy_events_total{{event="invalid_selections"}} 0\\n'
                 "vllm:preemption_policy_enabled 1\\n"
             )
-        self._head(body.encode())
+        self._send(body.encode())
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -370,23 +359,8 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with lock:
                 state["running"] -= 1
-
-    def _chunk(self, obj):
-        self.wfile.write(f"data: {{json.dumps(obj)}}\\n\\n".encode())
-        self.wfile.flush()
-
-    def _head(self, body):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
-"""
+""",
+)
 
 TIMEOUT_S = 3.0
 MAX_TOKENS = 60  # 10 ms a token: every stream outlasts the 0.3 s cancel
@@ -396,34 +370,21 @@ def _tp4_profile(tmp: Path) -> Path:
     """A TP-4 graph-mode cancel cell with the Ascend lane's log patterns."""
     ascend = load_profile("ascend-tp4").server
     assert ascend is not None and ascend.tp_rank_pattern and ascend.graph_capture_pattern
-    engine = tmp / "fake-vllm"
-    engine.write_text(STAND_IN)
-    engine.chmod(0o755)
-    profile = tmp / "tp4.toml"
-    profile.write_text(
-        f"""\
-name = "tp4"
-kind = "serve"
-accelerator = "ascend"
-model = "m"
-host_version_range = ">=0"
-tensor_parallel_size = 4
-repeats = 1
-[manager]
-configuration = {{ protocol_versions = {{ "vllm.preemption-policy" = "1.0" }} }}
-shutdown_grace_seconds = 2
-[server]
-command = ["{engine}"]
-port = {free_port()}
-graph_mode = "FULL_DECODE_ONLY"
+    return serve_profile(
+        tmp,
+        "tp4",
+        STAND_IN,
+        accelerator="ascend",
+        top="tensor_parallel_size = 4\n",
+        graph_mode="FULL_DECODE_ONLY",
+        server=f"""\
 device_snapshot_command = []
-ready_timeout_s = 30
-stop_timeout_s = 5
 graph_capture_pattern = "{ascend.graph_capture_pattern}"
 tp_rank_pattern = '{ascend.tp_rank_pattern}'
 environment = {{ FAKE_POSTS = "{tmp / 'baseline.jsonl'}", FAKE_STALL_S = "{TIMEOUT_S + 1}" }}
 candidate_environment = {{ FAKE_POSTS = "{tmp / 'candidate.jsonl'}", FAKE_FAULTY = "1" }}
-[workload]
+""",
+        workload=f"""\
 paragraph = "one two three. "
 seed = 7
 temperature = 0.0
@@ -432,16 +393,16 @@ warmup_max_tokens = 16
 request_timeout_s = {TIMEOUT_S}
 cancel_drain_bound_s = 5.0
 recovery_expected = "{RECOVERY}"
-[[cells]]
+""",
+        cells=f"""\
 name = "burst"
 paragraph_repeats = [2, 3]
 num_requests = 4
 concurrency = 4
 max_tokens = {MAX_TOKENS}
 cancel_after_s = 0.3
-"""
+""",
     )
-    return profile
 
 
 @needs_manager
