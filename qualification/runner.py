@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 from qualification import RECORD_SCHEMA
 from qualification.errors import ManagerVerbError, QualificationError
 from qualification.manager import Arm, ManagerSession, require_tool
+from qualification.procedure import snapshot_command
 from qualification.profile import CellSpec, Profile
 from qualification.report import (
     gate_summary,
@@ -330,6 +331,12 @@ def launch_plan(profile: Profile, *, repeats: int | None = None) -> dict[str, ob
                     assert profile.server is not None
                     entry["command"] = serve_command(profile)
                     entry["environment"] = serve_environment(profile.server, arm)
+                    # qualification.md §2 step 3, run after /health ([] when none).
+                    entry["device_snapshot_command"] = list(
+                        snapshot_command(
+                            profile.server.device_snapshot_command, profile.accelerator
+                        )
+                    )
                 else:
                     from qualification.replay import replay_command
 

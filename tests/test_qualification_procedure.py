@@ -5,7 +5,7 @@ VLLM_ENGINE_EXTRA_ENV_PREFIXES allows them, as the reference engine did.
 
 - §2 step 3: every arm runs the device snapshot command once after /health and records
   its bounded output; a command that is missing, fails or hangs is recorded and never
-  aborts the run;
+  aborts the run; `run --dry-run`'s plan names the command for every serve arm;
 - §2 step 4: the candidate arm records the policy environment that the manager, the
   engine server and its child actually hold, read from /proc/<pid>/environ; an engine
   child without BIDKV_UTILITY_* (the reference then initialised disabled) is reported in
@@ -237,6 +237,22 @@ def test_the_snapshot_command_defaults_per_lane_and_a_profile_overrides_it(
         assert server is not None and server.device_snapshot_command is None
     none = snapshot_device(())
     assert none.status == "none"
+
+
+def test_the_dry_run_plan_names_each_serve_arms_snapshot_command() -> None:
+    """``run --dry-run`` shows what step 3 will run after /health, per serve arm: the
+    lane's default for both GPU profiles; replay arms have no server to snapshot."""
+    from qualification.runner import launch_plan
+
+    for name, program in (("cuda", "nvidia-smi"), ("ascend-tp4", "npu-smi")):
+        arms = launch_plan(load_profile(name), repeats=1)["arms"]
+        assert isinstance(arms, list) and arms
+        assert {tuple(a["device_snapshot_command"]) for a in arms} == {
+            snapshot_command(None, load_profile(name).accelerator)
+        }
+        assert arms[0]["device_snapshot_command"][0] == program
+    replay = launch_plan(load_profile("cpu-replay"), repeats=1)["arms"]
+    assert isinstance(replay, list) and all("device_snapshot_command" not in a for a in replay)
 
 
 def test_the_policy_environment_is_unavailable_without_proc(tmp_path: Path) -> None:
