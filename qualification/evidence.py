@@ -140,8 +140,8 @@ def policy_init_lines(text: str) -> list[tuple[str, bool]]:
 
 
 def enabled_from_log(text: str) -> tuple[bool | None, str | None]:
-    matches = _INIT_LINE.findall(text)
-    if not matches:
+    lines = policy_init_lines(text)
+    if not lines:
         return None, None
-    policy, flag = matches[-1]
-    return flag == "True" and policy != "builtin", policy
+    policy, enabled = lines[-1]
+    return enabled and policy != "builtin", policy
