@@ -299,3 +299,14 @@ def write_record(shm: Path, name: str, total_size: int, used_size: int = 0,
 
 def virtual_total(manager: FakeKVCacheManager) -> int:
     return manager.mem_size * manager.num_layers * manager.num_kv_buffers
+
+
+def provider_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ipc: str) -> tuple[Path, Path]:
+    """The provider's state directory and a private stand-in for /dev/shm under
+    ``tmp_path``, with ``KVCACHED_IPC_NAME`` set to ``ipc``; returns (state, shm)."""
+    state, shm = tmp_path / "state", tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("KVCACHED_PROVIDER_STATE_DIR", str(state))
+    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", str(shm))
+    monkeypatch.setenv("KVCACHED_IPC_NAME", ipc)
+    return state, shm

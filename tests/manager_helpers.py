@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,17 @@ def wait_for_text(path: Path, timeout: float = 30.0) -> str:
             return path.read_text().strip()
         time.sleep(0.02)
     raise AssertionError(f"{path} never appeared")
+
+
+def fake_site(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unset: Iterable[str] = ()
+) -> Path:
+    """A private manager state file and an empty site directory on ``sys.path`` for
+    ``install_bundles``; the variables in ``unset`` (ones a real launch owns) are removed."""
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
+    for name in unset:
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path

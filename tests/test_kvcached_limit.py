@@ -38,6 +38,7 @@ from tests.fake_kvcached import (
     FakeKvcached,
     FakeKVCacheManager,
     install,
+    provider_dirs,
     virtual_total,
     write_record,
 )
@@ -49,12 +50,7 @@ BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 b
 
 @pytest.fixture
 def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    state, shm = tmp_path / "state", tmp_path / "shm"
-    shm.mkdir()
-    monkeypatch.setenv("KVCACHED_PROVIDER_STATE_DIR", str(state))
-    monkeypatch.setenv("KVCACHED_PROVIDER_SHM_DIR", str(shm))
-    monkeypatch.setenv("KVCACHED_IPC_NAME", IPC)
-    return state, shm
+    return provider_dirs(tmp_path, monkeypatch, IPC)
 
 
 @pytest.fixture

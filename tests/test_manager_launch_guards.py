@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from hust_ext_manager import cli
 
-from tests.manager_helpers import install_bundles, invoke
+from tests.manager_helpers import fake_site, install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -42,14 +42,9 @@ def install(site: Path, shutdown: str | None = None) -> None:
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
-    monkeypatch.delenv("VLLM_HUST_EXT_EVIDENCE_PATH", raising=False)  # a real launch owns it
-    for name in ("VLLM_EXTENSION_MANIFESTS", "VLLM_EXTENSION_BUNDLES"):
-        monkeypatch.delenv(name, raising=False)
-    path = tmp_path / "site"
-    path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
-    return path
+    # A real launch owns these variables.
+    unset = ("VLLM_HUST_EXT_EVIDENCE_PATH", "VLLM_EXTENSION_MANIFESTS", "VLLM_EXTENSION_BUNDLES")
+    return fake_site(tmp_path, monkeypatch, unset)
 
 
 def enable(tmp_path: Path, configuration: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from hust_ext_manager.cli import build_parser
 
-from tests.manager_helpers import install_bundles, invoke
+from tests.manager_helpers import fake_site, install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -62,13 +62,7 @@ INSPECT_KEYS = {
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
-    for name in ("VLLM_HUST_EXT_EVIDENCE_PATH", "VLLM_PLUGINS"):
-        monkeypatch.delenv(name, raising=False)
-    path = tmp_path / "site"
-    path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
-    return path
+    return fake_site(tmp_path, monkeypatch, ("VLLM_HUST_EXT_EVIDENCE_PATH", "VLLM_PLUGINS"))
 
 
 def install(site: Path, documents: dict[str, dict[str, Any]]) -> None:

@@ -45,8 +45,8 @@ import pytest
 from hust_ext_manager import runtime_evidence
 
 from bidkv_ext.evidence import evidence_line, evidence_sink_from_env
+from tests.manager_helpers import fake_site, invoke
 from tests.manager_helpers import install_bundles as install
-from tests.manager_helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -67,12 +67,8 @@ def _metadata(folder: Path, name: str, entry_points: str) -> Path:
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
     monkeypatch.setenv("VLLM_HUST_EXT_EVIDENCE_PATH", str(tmp_path / "evidence.jsonl"))
-    path = tmp_path / "site"
-    path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
-    return path
+    return fake_site(tmp_path, monkeypatch)
 
 
 def set_state(tmp_path: Path, entries: dict[str, dict[str, Any]]) -> None:

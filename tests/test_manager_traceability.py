@@ -45,7 +45,7 @@ import pytest
 from hust_ext_manager import discovery, launch
 from hust_ext_manager.runtime_evidence import launch_environment
 
-from tests.manager_helpers import install_bundles, invoke, wait_for_text
+from tests.manager_helpers import fake_site, install_bundles, invoke, wait_for_text
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -72,13 +72,7 @@ _MANAGED = (
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
-    for name in _MANAGED:  # a real launch owns these; the caller must not preset them
-        monkeypatch.delenv(name, raising=False)
-    path = tmp_path / "site"
-    path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
-    return path
+    return fake_site(tmp_path, monkeypatch, _MANAGED)  # a real launch owns _MANAGED
 
 
 def install(site: Path, documents: dict[str, dict[str, Any]]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.manager_helpers import install_bundles, invoke
+from tests.manager_helpers import fake_site, install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -34,12 +34,7 @@ PROTOCOL = "vllm.preemption-policy"
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(tmp_path / "config.json"))
-    monkeypatch.delenv("VLLM_HUST_EXT_EVIDENCE_PATH", raising=False)
-    path = tmp_path / "site"
-    path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
-    return path
+    return fake_site(tmp_path, monkeypatch, ("VLLM_HUST_EXT_EVIDENCE_PATH",))
 
 
 def install(site: Path, host_range: str) -> None:
