@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from bidkv_ext import BidKVConfig, BidkvPreemptionPolicy, ConfigError
+from bidkv_ext.config import REFERENCE_KEYS
 from tests.policy_helpers import cand, ctx
 
 
@@ -293,3 +294,35 @@ def test_every_reference_setting_maps_to_its_own_field() -> None:
             BidKVConfig.from_sources({f"utility_{knob}": 1}, {})
         with pytest.raises(ConfigError, match="is not a BidKV setting"):
             BidKVConfig.from_sources(None, {f"BIDKV_UTILITY_{knob.upper()}": "1"})
+
+
+NUMERIC_FIELDS = [
+    name for name, field in BidKVConfig.model_fields.items() if field.annotation in (int, float)
+]
+
+
+@pytest.mark.parametrize("name", NUMERIC_FIELDS)
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_boolean_given_for_a_number_is_refused(name: str, flag: bool) -> None:
+    """JSON ``true`` in a numeric key was read as 1 (pydantic's lax mode): a flag written
+    under the wrong key ran with a made-up number. Every numeric setting, including ones
+    added later, refuses it, from the section and from the reference's top-level keys."""
+    with pytest.raises(ConfigError) as caught:
+        BidKVConfig.from_sources({"bidkv": {name: flag}})
+    message = str(caught.value)
+    assert message.startswith(f"additional_config['bidkv'][{name!r}]={flag!r} is invalid")
+    assert "expected a number, not a boolean" in message
+    assert "\n" not in message
+    for key, field in REFERENCE_KEYS.items():
+        if field == name:
+            with pytest.raises(ConfigError, match=f"additional_config\\[{key!r}\\]"):
+                BidKVConfig.from_sources({key: flag})
+
+
+def test_numbers_still_read_from_json_and_environment() -> None:
+    config = BidKVConfig.from_sources(
+        {"bidkv": {"liveness_preemptions": 3, "base_cost": 2}},
+        environ={"BIDKV_UTILITY_EPSILON": "0.5", "BIDKV_UTILITY_SEED": "7"},
+    )
+    assert (config.liveness_preemptions, config.base_cost) == (3, 2.0)
+    assert (config.epsilon, config.seed) == (0.5, 7)

@@ -103,6 +103,20 @@ class BidKVConfig(BaseModel):
             return value
         raise ValueError("expected a boolean")
 
+    @field_validator(
+        "seed", "liveness_preemptions", "cascade_gain_ratio", "epsilon", "default_max_tokens",
+        "base_cost", "recompute_weight", "completion_weight", "completion_horizon",
+        "preempt_weight", "first_token_weight", "cache_survival", "shrink_page_weight",
+        "block_size", mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        # pydantic's lax mode reads JSON true/false as 1/0; a boolean given for a number is
+        # a mistake (a flag written in the wrong key), so it fails instead of running.
+        if isinstance(value, bool):
+            raise ValueError("expected a number, not a boolean")
+        return value
+
     @field_validator("strategy", mode="after")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
