@@ -7,8 +7,9 @@ how to fix it.
 
 Nothing here imports kvcached, torch or vLLM: importing kvcached needs a GPU build of torch
 (its ``__init__`` raises without one), and the manager must stay fast and side-effect free.
-Everything is read from distribution metadata (``importlib.metadata``), the filesystem, and
--- only when torch's version carries no local tag -- a short subprocess probe.
+Everything is read from distribution metadata (``importlib.metadata``), the filesystem, the
+environment the launch will hand the engine, and -- only when torch's version carries no
+local tag -- a short subprocess probe.
 
 The checks describe the interpreter that runs them, i.e. the one running the manager; the
 launched engine normally shares it (``vllm-hust-ext run -- vllm serve ...`` from one venv).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import site
@@ -44,6 +46,7 @@ __all__ = [
     "KVCACHED_ON_WORDS",
     "KVCACHED_TESTED_VLLM_RANGE",
     "MIN_TORCH_RELEASE",
+    "TUNING_VARIABLES",
     "SettingError",
     "check",
     "check_activation_environment",
@@ -56,8 +59,10 @@ __all__ = [
     "check_shm_writable",
     "check_torch_backend",
     "check_torch_version",
+    "check_tuning_environment",
     "check_vllm_range",
     "env_directory",
+    "launch_environment",
     "planned_environment",
     "shm_dir",
 ]
@@ -489,6 +494,213 @@ def planned_environment(
     return env
 
 
+def launch_environment(
+    planned: Mapping[str, str], inherited: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment the engine will start with, as far as this bundle can know it.
+
+    ``vllm-hust-ext run`` starts the engine with its own environment (``inherited``, by
+    default this process's) overlaid by the activation environment, so a variable the
+    bundle does not set -- kvcached's tuning variables -- comes from the shell that runs
+    the manager. For ``extension status`` that is the shell running ``status``.
+    """
+    return {**(os.environ if inherited is None else inherited), **planned}
+
+
+# --------------------------------------------------- kvcached's pass-through tuning variables
+#
+# kvcached 0.1.6 reads these once, when the engine imports ``kvcached.utils`` (and the tensor-
+# parallel IPC module), with ``int()``, ``float()`` or ``value.lower() == "true"``; its C++
+# page allocator reads the reserved-page bounds with ``atoi`` and the utilization with
+# ``atof`` a second time. A value is refused only when kvcached would fail on it inside the
+# engine or misread it without a word (its two readers disagreeing, an unknown word read as
+# off, a negative bound read as unsigned); merely odd values (a huge page, no prefix cache)
+# pass.
+
+# C's isspace() in the C locale: what atoi/atof skip before a number.
+_C_SPACE = " \t\n\v\f\r"
+_C_INT = re.compile(r"[+-]?[0-9]+")
+_C_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_FALSE_WORDS = frozenset({"false", "0", "no", "off", "f", "n"})
+_IMPORT_FAILS = "kvcached 0.1.6 would raise ValueError when the engine imports it"
+_FLAG_MISREAD = (
+    "kvcached 0.1.6 reads only 'true' (any case, no surrounding spaces) as on and anything "
+    "else as off, so this would silently be off"
+)
+
+
+def _python_int(value: str) -> int | None:
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _python_float(value: str) -> float | None:
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _c_atoi(value: str) -> int:
+    """glibc's ``atoi``: ``(int) strtol(value, NULL, 10)`` -- the longest decimal prefix
+    after C whitespace (0 if none), clamped to a 64-bit long, then wrapped to 32 bits."""
+    found = _C_INT.match(value.lstrip(_C_SPACE))
+    text = found.group() if found else "0"
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    size = int(digits) if len(digits) <= 19 else 2**63  # no int() of a huge digit string
+    number = -min(size, 2**63) if text.startswith("-") else min(size, 2**63 - 1)
+    return (number + 2**31) % 2**32 - 2**31
+
+
+def _c_atof(value: str) -> float:
+    """glibc's ``atof`` for decimal text: the longest decimal prefix after C whitespace.
+
+    Its hexadecimal, ``inf`` and ``nan`` forms are not modelled: Python's ``float()`` refuses
+    hexadecimal text, and infinities and NaN are outside any range checked with this.
+    """
+    found = _C_DECIMAL.match(value.lstrip(_C_SPACE))
+    return float(found.group()) if found else 0.0
+
+
+def _page_size(value: str) -> str | None:
+    number = _python_int(value)  # utils.py: int(value) MB, a positive multiple of 2 MB
+    return None if number is not None and number > 0 and number % 2 == 0 else _IMPORT_FAILS
+
+
+def _integer(value: str) -> str | None:
+    return None if _python_int(value) is not None else _IMPORT_FAILS
+
+
+def _reserved_pages(value: str) -> str | None:
+    python = _python_int(value)
+    if python is None:
+        return _IMPORT_FAILS
+    allocator = _c_atoi(value)
+    if allocator != python:
+        return (f"kvcached's Python code would read {python} but its C++ page allocator "
+                f"(atoi) {allocator}")
+    if python < 0:
+        # page_allocator.cpp compares the bounds with size_t counts: -1 becomes 2**64 - 1.
+        return ("kvcached's C++ page allocator compares the bound with unsigned page counts, "
+                "so a negative one is misread (a negative maximum keeps every page freed "
+                "one at a time mapped, never returning it to the GPU)")
+    return None
+
+
+def _utilization(value: str) -> str | None:
+    python = _python_float(value)
+    if python is None:
+        return _IMPORT_FAILS
+    if not 0.0 <= python <= 1.0:  # NaN too
+        return ("kvcached's C++ page allocator keeps (1 - utilization) of the GPU's memory "
+                "free, so outside 0..1 it is left no usable memory (above 1 through an "
+                "undefined conversion)")
+    allocator = _c_atof(value)
+    if allocator != python:
+        return (f"kvcached's Python code would read {python:g} but its C++ page allocator "
+                f"(atof) {allocator:g}")
+    return None
+
+
+def _flag(value: str) -> str | None:
+    if value.lower() == "true" or value.strip().lower() in _FALSE_WORDS:
+        return None
+    return _FLAG_MISREAD
+
+
+def _timeout(value: str) -> str | None:
+    python = _python_float(value)
+    if python is None:
+        return _IMPORT_FAILS
+    if math.isnan(python):
+        # NaN <= 0 is false, so kvcached keeps the bound, and asyncio fires it at once.
+        return ("kvcached would pass NaN to asyncio.wait_for, which times every exchange "
+                "with a tensor-parallel worker out at once")
+    return None
+
+
+# name, kvcached's default, the accepted form, the reader deciding it.
+_TUNING: tuple[tuple[str, str, str, Callable[[str], str | None]], ...] = (
+    ("KVCACHED_PAGE_SIZE_MB", "2", "a positive even integer (the page size in MB)",
+     _page_size),
+    ("KVCACHED_GPU_UTILIZATION", "0.95", "a decimal fraction from 0 to 1 in plain digits",
+     _utilization),
+    ("KVCACHED_MIN_RESERVED_PAGES", "5", "a whole number of pages >= 0 in plain digits",
+     _reserved_pages),
+    ("KVCACHED_MAX_RESERVED_PAGES", "10", "a whole number of pages >= 0 in plain digits",
+     _reserved_pages),
+    ("KVCACHED_PAGE_PREALLOC_ENABLED", "true", "'true' or 'false'", _flag),
+    ("KVCACHED_MAX_CACHED_TOKENS", "16000",
+     "an integer (-1 for no bound, 0 to turn prefix caching off, N > 0 for at most N cached "
+     "tokens)", _integer),
+    ("KVCACHED_MAX_CACHED_BLOCKS", "1000",
+     "an integer (a legacy bound kvcached 0.1.6 parses but no longer uses)", _integer),
+    ("KVCACHED_CONTIGUOUS_LAYOUT", "true on CUDA, false on ROCm", "'true' or 'false'", _flag),
+    ("KVCACHED_IPC_TIMEOUT", "60", "a number of seconds (0 or less: no timeout)", _timeout),
+)
+TUNING_VARIABLES = tuple(name for name, *_ in _TUNING)
+_RESERVED_DEFAULTS = {"KVCACHED_MIN_RESERVED_PAGES": 5, "KVCACHED_MAX_RESERVED_PAGES": 10}
+
+
+def _tuning_fix(default: str) -> str:
+    return (f"fix it, or unset it for kvcached's default ({default}), in the environment "
+            "`vllm-hust-ext run` is started from")
+
+
+def _reserved_order(env: Mapping[str, str]) -> list[CheckLine]:
+    """MIN <= MAX, a default standing in for an unset bound; call it only when each set bound
+    is accepted. kvcached's prealloc thread maps pages up to MIN and frees keep at most MAX
+    mapped (page_allocator.cpp), so a larger MIN silently overrides the MAX bound."""
+    names = list(_RESERVED_DEFAULTS)
+    if not set(names) & env.keys():
+        return []
+    low, high = (int(env[n]) if n in env else _RESERVED_DEFAULTS[n] for n in names)
+    if low <= high:
+        return []
+    shown = [f"{n}={env[n]!r}" if n in env else f"{n} (default {_RESERVED_DEFAULTS[n]})"
+             for n in names]
+    return [(False, (
+        f"{shown[0]} exceeds {shown[1]}: expected the minimum at most the maximum; kvcached's "
+        "prealloc thread keeps the minimum mapped, so the maximum would silently not hold; "
+        "lower the minimum or raise the maximum (unset, they are 5 and 10) in the "
+        "environment `vllm-hust-ext run` is started from"
+    ))]
+
+
+def check_tuning_environment(env: Mapping[str, str]) -> list[CheckLine]:
+    """kvcached's tuning variables in the launch environment are read as they are meant.
+
+    One failing line per refused variable (naming it, its value and the accepted form) or
+    inverted reserved-page bounds, and one ok line listing the other variables that are set;
+    nothing when none is set, so a plain launch's status stays as it was.
+    """
+    failed: list[CheckLine] = []
+    accepted: dict[str, str] = {}
+    for name, default, expected, read in _TUNING:
+        value = env.get(name)
+        if value is None:
+            continue
+        problem = read(value)
+        if problem is None:
+            accepted[name] = value
+            continue
+        failed.append((False, (
+            f"{name}={value!r} is invalid: expected {expected}; {problem}; "
+            f"{_tuning_fix(default)}"
+        )))
+    if all(n in accepted or n not in env for n in _RESERVED_DEFAULTS):
+        order = _reserved_order(env)
+        failed += order
+        for name in _RESERVED_DEFAULTS if order else ():
+            accepted.pop(name, None)
+    if not accepted:
+        return failed
+    listed = ", ".join(f"{name}={value!r}" for name, value in accepted.items())
+    return [*failed, (True, f"kvcached will read these tuning variables: {listed}")]
+
+
 def _declared_names(manifest: Mapping[str, object]) -> list[str]:
     """Every contract and protocol name a manifest declares."""
     names: list[str] = []
@@ -658,7 +870,9 @@ def check(
     """Run every check; one ``(ok, evidence line)`` per finding, in a fixed order.
 
     ``context`` is what the extension manager knows beyond this bundle: ``enabled_bundles``
-    (the other enabled bundles' manifests, by id) and, for ``run``, ``command``.
+    (the other enabled bundles' manifests, by id) and, for ``run``, ``command``. kvcached's
+    tuning variables are read from :func:`launch_environment`: this process's environment,
+    which ``run`` hands the engine, under the planned activation environment.
     """
     env = planned_environment(manifest, configuration)
     peers, command = _context(context)
@@ -672,6 +886,8 @@ def check(
         ("/dev/shm", check_shm_writable),
         ("activation environment", lambda: check_activation_environment(env)),
         ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"))),
+        ("kvcached tuning variables",
+         lambda: check_tuning_environment(launch_environment(env))),
         ("other enabled bundles", lambda: check_peer_bundles(peers)),
         ("KV-cache events", lambda: check_kv_events(command)),
     ]
