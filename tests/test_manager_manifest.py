@@ -269,6 +269,12 @@ MALFORMED: list[tuple[str, Callable[[dict[str, Any]], Any], str, bool]] = [
         True,
     ),
     (
+        "contract-prefix-without-dot",
+        _set("components[0].contracts", ["vllmx.policy.v1"]),
+        "components[0].contracts is invalid",
+        True,
+    ),
+    (
         "contract-dupes",
         _set("components[0].contracts", ["vllm.a", "vllm.a"]),
         "components[0].contracts must not contain duplicates",
@@ -305,6 +311,9 @@ MALFORMED: list[tuple[str, Callable[[dict[str, Any]], Any], str, bool]] = [
         True,
     ),
     ("component-dupes", _dup_component, "component_id values must be unique", False),
+    # A falsy activation is no shortcut to "no activation": only an absent key is.
+    ("activation-false", _set("activation", False), "activation must be an object with string keys",
+     True),
     (
         "activation-keys",
         _set("activation.launch_options", {}),
@@ -641,6 +650,7 @@ def test_a_manifest_number_json_reads_is_accepted_as_the_official_manager_does(
     ({"RECORD": b"\xff\n"}, "distribution RECORD cannot be read"),
     ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
     ({"METADATA": b"Metadata-Version: 2.1\nVersion: 1.0\n"}, "has no distribution name"),
+    ({"METADATA": b"Metadata-Version: 2.1\nName: \nVersion: 1.0\n"}, "has no distribution name"),
     ({"manifest": b"[" * 100_000 + b"]" * 100_000}, "manifest cannot be read as JSON"),
     # An integer over the int/str digit limit: json.loads raises a plain ValueError.
     ({"manifest": b'{"schema_version": 1' + b"0" * 5000 + b"}"}, "manifest cannot be read as JSON"),
@@ -776,8 +786,11 @@ def _module(status: str) -> dict[str, str]:
         ([_module("import_only"), _module("active")], True),
         ([{"type": "host_builtin", "name": "vllm"}], True),
         ([_module("import_only"), _module("legacy_unregistered")], False),
+        ([_module("import_only"), {"type": "python_entry_point", "group": "g", "name": "n"}],
+         True),
     ],
-    ids=["one-active-module", "no-python-carrier", "all-descriptor-only"],
+    ids=["one-active-module", "no-python-carrier", "all-descriptor-only",
+         "module-and-entry-point"],
 )
 def test_activation_blocker_needs_every_python_carrier_descriptor_only(
     isolated: Path,
@@ -852,20 +865,24 @@ def test_a_legacy_manifest_breaking_a_legacy_rule_is_refused(
         ("file://localhost", True, True),
         ("file://", False, False),
         ("file://build-host", True, False),
+        ("file://", "true", False),
+        ("https://", True, False),
     ],
-    ids=["editable", "localhost", "not-editable", "remote-host"],
+    ids=["editable", "localhost", "not-editable", "remote-host", "editable-string",
+         "not-a-file-url"],
 )
 def test_only_a_local_editable_direct_url_is_searched(
     isolated: Path,
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
     prefix: str,
-    editable: bool,
+    editable: object,
     found: bool,
 ) -> None:
     """§2: the source tree named by ``direct_url.json`` (its root here, not ``src/``) is
-    searched only when ``dir_info.editable`` is true and the ``file:`` URL's host is empty
-    or ``localhost``; a plain directory install or another machine's path is not."""
+    searched only when ``dir_info.editable`` is JSON ``true`` (not a truthy string) and the
+    URL is a ``file:`` URL whose host is empty or ``localhost``; a plain directory install,
+    another machine's path or another scheme is not."""
     source = tmp_path / "checkout"
     (source / "fakepkg" / "m").mkdir(parents=True)
     (source / "fakepkg" / "m" / "vllm-hust-extension-v0.2.json").write_bytes(_good())

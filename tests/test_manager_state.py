@@ -196,6 +196,10 @@ CORRUPT = [
         '{"schema_version": 1, "enabled": "org.test.a"}',
         "legacy enabled must be an array of strings",
     ),
+    (
+        '{"schema_version": 1, "enabled": ["org.test.a", 7]}',
+        "legacy enabled must be an array of strings",
+    ),
     ('{"schema_version": 2, "extensions": []}', "vllm-hust-ext extensions must be an object"),
     ('{"schema_version": 2, "extensions": {"x": 1}}', "extension 'x' config must be an object"),
     (

@@ -701,6 +701,14 @@ PROFILE = {"accelerator": "ascend", "tensor_parallel_size": 4}
             "runtime qualification profile mismatch: {'tensor_parallel_size': (4, None)}",
             "refusing to launch incompatible extension 'org.test.p': ",
         ),
+        # JSON true is not 4 nor 1: a boolean never matches a number (Python: True == 1).
+        (
+            {"accelerator": "ascend", "tensor_parallel_size": 1},
+            {"status": "passed", "accelerator": "ascend", "tensor_parallel_size": True},
+            "incompatible",
+            "runtime qualification profile mismatch: {'tensor_parallel_size': (1, True)}",
+            "refusing to launch incompatible extension 'org.test.p': ",
+        ),
         (
             "ascend",
             {"status": "passed"},
@@ -1052,8 +1060,10 @@ def test_bundles_disagreeing_on_a_variable_are_refused(
     [
         ({"k": 1}, None),
         ({"k": 2}, "enabled Bundles disagree on additional_config key k"),
+        # JSON true is not 1, though Python's == says True == 1.
+        ({"k": True}, "enabled Bundles disagree on additional_config key k"),
     ],
-    ids=["same-value", "different-value"],
+    ids=["same-value", "different-value", "boolean-for-number"],
 )
 def test_bundles_may_share_an_additional_config_key_only_with_one_value(
     site: Path,

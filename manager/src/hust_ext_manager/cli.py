@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from hust_ext_manager import __version__, provider
 from hust_ext_manager.discovery import InstalledBundle, discover, discover_tolerant
-from hust_ext_manager.jsonio import JSONInputError, load_json
+from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 from hust_ext_manager.launch import (
     ENABLED_BUNDLES_ENV,
     NATIVE_ENVIRONMENT,
@@ -270,7 +270,7 @@ def _plans(bundles: Sequence[InstalledBundle], state: State) -> list[dict[str, A
 
 def _claim(claims: dict[str, tuple[str, Any]], key: str, owner: str, value: Any, what: str) -> None:
     """Per-key conflict rule: two bundles conflict only on one key with different values."""
-    if key in claims and claims[key][1] != value:
+    if key in claims and not same_json(claims[key][1], value):
         raise ValueError(what.format(key=key, first=claims[key][0], second=owner))
     claims.setdefault(key, (owner, value))
 

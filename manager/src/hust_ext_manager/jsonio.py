@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["JSONInputError", "load_json"]
+__all__ = ["JSONInputError", "load_json", "same_json"]
 
 
 class JSONInputError(ValueError):
@@ -30,3 +30,15 @@ def load_json(data: str | bytes) -> Any:
         return json.loads(data)
     except (ValueError, RecursionError) as error:
         raise JSONInputError(" ".join(str(error).split()) or type(error).__name__) from error
+
+
+def same_json(left: object, right: object) -> bool:
+    """Equal as JSON values: Python's ``==`` except that a boolean never equals a number
+    (``True == 1`` and ``False == 0.0`` in Python; ``true`` and ``1`` differ in JSON)."""
+    if isinstance(left, bool) or isinstance(right, bool):
+        return type(left) is type(right) and left == right
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(same_json(left[k], right[k]) for k in left)
+    if isinstance(left, list) and isinstance(right, list):
+        return len(left) == len(right) and all(map(same_json, left, right))
+    return bool(left == right)

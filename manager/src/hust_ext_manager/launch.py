@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hust_ext_manager.jsonio import JSONInputError, load_json
+from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 
 __all__ = [
     "ENABLED_BUNDLES_ENV",
@@ -93,10 +93,13 @@ def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> li
         existing = None
     if not isinstance(existing, dict):
         raise ValueError("--additional-config must contain a JSON object")
-    conflicts = sorted(k for k, v in merged.items() if k in existing and existing[k] != v)
+    conflicts = sorted(
+        k for k, v in merged.items() if k in existing and not same_json(existing[k], v)
+    )
     if conflicts:
         raise ValueError(f"plugin activation conflicts with additional_config keys: {conflicts}")
-    text = _dump({**existing, **merged})
+    # An equal key keeps the caller's value (1.0 stays 1.0 where a bundle says 1).
+    text = _dump({**merged, **existing})
     result = list(command)
     if inline:
         result[index] = f"--additional-config={text}"
@@ -117,7 +120,7 @@ def merge_option(command: list[str], option: str, value: object, *, is_json: boo
         )
     if is_json:
         try:
-            same = load_json(existing) == value
+            same = same_json(load_json(existing), value)
         except JSONInputError:
             same = False
     else:

@@ -29,6 +29,7 @@ from hust_ext_manager.discovery import (
     SHUTDOWN_GROUP,
     InstalledBundle,
 )
+from hust_ext_manager.jsonio import same_json
 from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
 
 __all__ = [
@@ -236,7 +237,9 @@ def _qualification_step(
             "matching source contracts are insufficient; required runtime qualification "
             "is unavailable"
         )
-    mismatch = {k: (v, observed.get(k)) for k, v in profile.items() if observed.get(k) != v}
+    mismatch = {
+        k: (v, observed.get(k)) for k, v in profile.items() if not same_json(observed.get(k), v)
+    }
     if mismatch:
         return False, f"runtime qualification profile mismatch: {mismatch}"
     return True, "required runtime qualification profile passed"
