@@ -7,7 +7,8 @@ through a symlinked or relative directory is still seen as used (``/proc`` shows
 paths); an unrelated process holding an exclusive ``flock`` on a file in ``/dev/shm`` does
 not hang the cleanup; files whose names kvcached's sanitiser cannot produce (undecodable
 bytes, a newline) are not reported, so they can neither crash the report nor forge lines in
-it; a socket directory nested deeper than kvcached's ``pp<N>/`` is refused in one line
+it; a process holding a removed earlier record (open or mapped) keeps the current one; a
+socket directory nested deeper than kvcached's ``pp<N>/`` is refused in one line
 instead of exhausting ``os.walk``'s recursion; a path a concurrent cleanup removed in the
 middle counts as gone, not as "could not be removed"; and a link swapped in for the socket
 directory after the checks is not followed into its target. Everything is real: files,
@@ -129,6 +130,30 @@ def test_a_record_open_through_another_spelling_of_the_directory_is_kept(
     finally:
         stop(holder)
     assert segments.cleanup(ipc, shm=shm).removed == (str(path),)
+
+
+@pytest.mark.parametrize("hold", ["open", "mapped"])
+def test_a_process_holding_a_removed_earlier_record_keeps_the_current_one(
+    shm: Path, ipc: str, hold: str
+) -> None:
+    """A held file that was removed reads as ``<path> (deleted)`` in ``/proc/<pid>/fd`` and
+    in ``maps``. Both count as the path, so a process still holding an earlier record of
+    the instance keeps the record now at that path; only the mapped one did before, and a
+    process that merely had it open lost it."""
+    path = record(shm, ipc)
+    setup = f"f = open({str(path)!r}, 'rb')\n"
+    if hold == "mapped":
+        setup += "import mmap\nm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\nf.close()\n"
+    holder, _ = spawn(setup + "print('ready', flush=True)")
+    try:
+        path.unlink()
+        record(shm, ipc)  # a new file at the same path: the held one is now "(deleted)"
+        report = segments.cleanup(ipc)
+        assert report.kept == ((str(path), f"in use by pid {holder.pid}"),)
+        assert path.exists()
+    finally:
+        stop(holder)
+    assert segments.cleanup(ipc).removed == (str(path),)
 
 
 def test_a_worker_bound_through_the_resolved_tmp_keeps_the_socket_dir(

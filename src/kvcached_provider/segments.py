@@ -202,7 +202,12 @@ def _ipc_name(entry: Path) -> str | None:
 
 
 def _open_paths(entry: Path) -> frozenset[str]:
-    """Paths a process has open (fds) or mapped."""
+    """Paths a process has open (fds) or mapped.
+
+    A file removed while held reads as ``<path> (deleted)`` in both places; it counts as
+    ``<path>``, so a process still holding an earlier record of an instance keeps that
+    instance's current record (when in doubt the cleanup keeps, and names the pid).
+    """
     found: set[str] = set()
     try:
         fds = list((entry / "fd").iterdir())
@@ -210,7 +215,7 @@ def _open_paths(entry: Path) -> frozenset[str]:
         fds = []
     for fd in fds:
         try:
-            found.add(os.readlink(fd))
+            found.add(os.readlink(fd).removesuffix(" (deleted)"))
         except OSError:
             continue
     try:
