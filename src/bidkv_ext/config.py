@@ -17,7 +17,14 @@ import sys
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 __all__ = ["ENV_PREFIX", "MAX_WEIGHT", "RESEARCH_STRATEGY_ENV", "BidKVConfig", "ConfigError"]
 
@@ -103,17 +110,14 @@ class BidKVConfig(BaseModel):
             return value
         raise ValueError("expected a boolean")
 
-    @field_validator(
-        "seed", "liveness_preemptions", "cascade_gain_ratio", "epsilon", "default_max_tokens",
-        "base_cost", "recompute_weight", "completion_weight", "completion_horizon",
-        "preempt_weight", "first_token_weight", "cache_survival", "shrink_page_weight",
-        "block_size", mode="before",
-    )
+    @field_validator("*", mode="before")
     @classmethod
-    def _not_a_bool(cls, value: object) -> object:
+    def _not_a_bool(cls, value: object, info: ValidationInfo) -> object:
         # pydantic's lax mode reads JSON true/false as 1/0; a boolean given for a number is
         # a mistake (a flag written in the wrong key), so it fails instead of running.
-        if isinstance(value, bool):
+        # Keyed on the annotation, so a numeric field added later is covered without a list.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _is_numeric(field.annotation):
             raise ValueError("expected a number, not a boolean")
         return value
 
@@ -193,6 +197,11 @@ class BidKVConfig(BaseModel):
             return cls(**values)
         except ValidationError as exc:
             raise ConfigError(_one_line(exc, values, origin)) from None
+
+
+def _is_numeric(annotation: object) -> bool:
+    # model_fields keeps an Annotated field's base type (constraints go to its metadata).
+    return annotation in (int, float)
 
 
 def _reference_keys(
