@@ -2,13 +2,15 @@
 
 kvcached 0.1.6 reads ``KVCACHED_PAGE_SIZE_MB``, ``KVCACHED_GPU_UTILIZATION``, the reserved-page
 bounds, ``KVCACHED_PAGE_PREALLOC_ENABLED``, ``KVCACHED_MAX_CACHED_TOKENS``,
-``KVCACHED_MAX_CACHED_BLOCKS``, ``KVCACHED_CONTIGUOUS_LAYOUT`` and ``KVCACHED_IPC_TIMEOUT`` from
-the engine's environment, which ``vllm-hust-ext run`` inherits from its own. Guarded: a value
+``KVCACHED_MAX_CACHED_BLOCKS``, ``KVCACHED_CONTIGUOUS_LAYOUT``, ``KVCACHED_IPC_TIMEOUT``,
+``KVCACHED_SANITY_CHECK``, ``KVCACHED_LOG_LEVEL`` and ``KVCACHED_LOG_COLOR`` from the engine's
+environment, which ``vllm-hust-ext run`` inherits from its own. Guarded: a value
 kvcached would fail on inside the engine (``int()``/``float()`` raising on import, a page size
 that is not a positive multiple of 2 MB) or would misread without a word (its Python
 ``int()``/``float()`` and its C++ allocator's ``atoi``/``atof`` disagreeing, a negative
 reserved-page bound compared as unsigned, a minimum above the maximum, a flag word other than
-true/false read as off, a NaN timeout) gives one failing line naming the variable, the value
+true/false read as off, a NaN timeout, a log level its Python logger and its C++ allocator
+read differently) gives one failing line naming the variable, the value
 and the accepted form; merely odd values pass; unset variables give no line; ``check()`` reads
 them from this process's environment under the planned activation environment, so the real
 ``vllm-hust-ext extension status`` reports them and ``vllm-hust-ext run`` refuses (exit 2).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -78,6 +81,12 @@ def refused(variable: str, value: str) -> bool:
     ("KVCACHED_MAX_CACHED_TOKENS", "1_000_000"),  # only Python's int() reads it
     ("KVCACHED_MAX_CACHED_BLOCKS", "-5"),
     ("KVCACHED_CONTIGUOUS_LAYOUT", "False"),
+    ("KVCACHED_SANITY_CHECK", "true"),
+    ("KVCACHED_LOG_COLOR", "false"),
+    ("KVCACHED_LOG_LEVEL", "DEBUG"),
+    ("KVCACHED_LOG_LEVEL", "Warning"),  # both readers take it: .upper() and the letter W
+    ("KVCACHED_LOG_LEVEL", "VERBOSE"),  # the allocator's finest; Python logs at INFO
+    ("KVCACHED_LOG_LEVEL", "critical"),  # Python CRITICAL; the allocator's 'c' is FATAL
     ("KVCACHED_IPC_TIMEOUT", "2.5"),
     ("KVCACHED_IPC_TIMEOUT", "0"),  # no timeout
     ("KVCACHED_IPC_TIMEOUT", "inf"),
@@ -118,6 +127,19 @@ def test_values_kvcached_reads_as_written_pass(variable: str, value: str) -> Non
     ("KVCACHED_MAX_CACHED_BLOCKS", "1e3", "an integer", "would raise ValueError"),
     ("KVCACHED_IPC_TIMEOUT", "60s", "a number of seconds", "would raise ValueError"),
     ("KVCACHED_IPC_TIMEOUT", "NaN", "a number of seconds", "times every exchange"),
+    ("KVCACHED_SANITY_CHECK", "1", "'true' or 'false'", "would silently be off"),
+    ("KVCACHED_LOG_COLOR", "on", "'true' or 'false'", "would silently be off"),
+    ("KVCACHED_LOG_LEVEL", "debug", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+     "Python code would log at DEBUG but its C++ page allocator, which reads only the first "
+     "letter in upper case, at FATAL"),
+    ("KVCACHED_LOG_LEVEL", "NOTSET", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+     "Python code would log at NOTSET but its C++ page allocator"),
+    ("KVCACHED_LOG_LEVEL", "TRACE", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+     "knows only logging's level names"),
+    ("KVCACHED_LOG_LEVEL", " INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+     "knows only logging's level names"),
+    ("KVCACHED_LOG_LEVEL", "BASIC_FORMAT", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+     "fail at start-up on a logging attribute that is no level"),
 ])
 def test_values_kvcached_fails_on_or_misreads_are_one_line(
     variable: str, value: str, expected: str, why: str
@@ -241,7 +263,8 @@ _TRUE = {"true", "1", "yes", "on", "t", "y"}
 
 
 @PROPERTY
-@given(st.sampled_from(["KVCACHED_PAGE_PREALLOC_ENABLED", "KVCACHED_CONTIGUOUS_LAYOUT"]),
+@given(st.sampled_from(["KVCACHED_PAGE_PREALLOC_ENABLED", "KVCACHED_CONTIGUOUS_LAYOUT",
+                        "KVCACHED_SANITY_CHECK", "KVCACHED_LOG_COLOR"]),
        st.sampled_from(_WORDS), st.sampled_from(["lower", "upper", "title"]),
        st.sampled_from(["", " ", "\t"]), st.sampled_from(["", " "]))
 def test_a_flag_passes_only_when_kvcached_reads_it_as_meant(
@@ -255,6 +278,36 @@ def test_a_flag_passes_only_when_kvcached_reads_it_as_meant(
         assert word == "enabled" or (word in _TRUE) is not kvcached_on
     else:
         assert (word in _TRUE) is kvcached_on
+
+
+# gpu_utils.hpp's levels, in its enum's order; the macro takes the first character of the
+# value and anything it does not list as FATAL, its lowest setting (print fatal errors only).
+_ALLOCATOR_LEVELS = {"F": "FATAL", "E": "ERROR", "W": "WARNING", "I": "INFO", "D": "DEBUG",
+                     "V": "VERBOSE"}
+_LEVEL_WORDS = ["debug", "info", "warning", "warn", "error", "critical", "fatal", "notset",
+                "verbose", "trace", "basic_format", "_styles", "dbg", ""]
+
+
+@PROPERTY
+@given(st.sampled_from(_LEVEL_WORDS), st.sampled_from(["lower", "upper", "title", "swapcase"]),
+       st.sampled_from(["", " "]), st.sampled_from(["", " ", "\n"]))
+def test_a_log_level_passes_only_when_both_of_kvcacheds_readers_take_it_alike(
+    word: str, case: str, before: str, after: str
+) -> None:
+    """kvcached's Python logger takes ``getattr(logging, value.upper(), logging.INFO)`` and
+    its C++ page allocator the value's first character: a value passes iff the name is one
+    of logging's levels and the allocator's letter means that level (CRITICAL and FATAL are
+    the allocator's FATAL), or it is VERBOSE, the allocator's finest, read by its letter V."""
+    value = before + getattr(word, case)() + after
+    allocator = _ALLOCATOR_LEVELS.get(value[:1], "FATAL")
+    python_levels = logging.getLevelNamesMapping()  # the real logging module's names
+    python = getattr(logging, value.upper(), logging.INFO)
+    if value.upper() == "VERBOSE":
+        agreed = allocator == "VERBOSE"
+    else:
+        agreed = (value.upper() in python_levels and isinstance(python, int)
+                  and python_levels.get(allocator) == python)
+    assert refused("KVCACHED_LOG_LEVEL", value) is not agreed
 
 
 @PROPERTY

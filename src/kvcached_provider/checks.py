@@ -509,13 +509,14 @@ def launch_environment(
 
 # --------------------------------------------------- kvcached's pass-through tuning variables
 #
-# kvcached 0.1.6 reads these once, when the engine imports ``kvcached.utils`` (and the tensor-
-# parallel IPC module), with ``int()``, ``float()`` or ``value.lower() == "true"``; its C++
-# page allocator reads the reserved-page bounds with ``atoi`` and the utilization with
-# ``atof`` a second time. A value is refused only when kvcached would fail on it inside the
-# engine or misread it without a word (its two readers disagreeing, an unknown word read as
-# off, a negative bound read as unsigned); merely odd values (a huge page, no prefix cache)
-# pass.
+# kvcached 0.1.6 reads these when the engine imports ``kvcached.utils`` (and the tensor-
+# parallel IPC module), with ``int()``, ``float()``, ``value.lower() == "true"`` or, for the
+# log level, a ``logging`` attribute. Its C++ page allocator reads some a second time: the
+# reserved-page bounds with ``atoi``, the utilization with ``atof`` and the log level's first
+# letter. ``KVCACHED_LOG_COLOR_CODE`` takes any text and is not checked. A value is refused
+# only when kvcached would fail on it inside the engine or misread it without a word (its
+# two readers disagreeing, an unknown word read as off, a negative bound read as unsigned);
+# merely odd values (a huge page, no prefix cache) pass.
 
 # C's isspace() in the C locale: what atoi/atof skip before a number.
 _C_SPACE = " \t\n\v\f\r"
@@ -621,6 +622,30 @@ def _timeout(value: str) -> str | None:
     return None
 
 
+# kvcached's Python logger resolves ``getattr(logging, value.upper(), logging.INFO)``: any
+# other name silently logs at INFO. Its C++ page allocator (gpu_utils.hpp) reads only the
+# first character, upper case, and takes anything else as its lowest setting, FATAL. Each
+# Python level is paired with the allocator's letter that means the same (NOTSET has none);
+# VERBOSE is the allocator's finest level, which Python does not know (it logs at INFO then).
+_PYTHON_LEVEL_LETTER = {"DEBUG": "D", "INFO": "I", "WARNING": "W", "WARN": "W", "ERROR": "E",
+                        "CRITICAL": "F", "FATAL": "F", "NOTSET": "-", "VERBOSE": "V"}
+_ALLOCATOR_LEVELS = {"F": "FATAL", "E": "ERROR", "W": "WARNING", "I": "INFO", "D": "DEBUG",
+                     "V": "VERBOSE"}
+
+
+def _log_level(value: str) -> str | None:
+    meant = _PYTHON_LEVEL_LETTER.get(value.upper())
+    if meant is None:
+        return ("kvcached's Python code knows only logging's level names (with another it "
+                "would log at INFO, or fail at start-up on a logging attribute that is no level)")
+    allocator = value[:1] if value[:1] in _ALLOCATOR_LEVELS else "F"
+    if allocator == meant:
+        return None
+    python = "INFO" if meant == "V" else value.upper()
+    return (f"kvcached's Python code would log at {python} but its C++ page allocator, "
+            f"which reads only the first letter in upper case, at {_ALLOCATOR_LEVELS[allocator]}")
+
+
 # name, kvcached's default, the accepted form, the reader deciding it.
 _TUNING: tuple[tuple[str, str, str, Callable[[str], str | None]], ...] = (
     ("KVCACHED_PAGE_SIZE_MB", "2", "a positive even integer (the page size in MB)",
@@ -639,6 +664,11 @@ _TUNING: tuple[tuple[str, str, str, Callable[[str], str | None]], ...] = (
      "an integer (a legacy bound kvcached 0.1.6 parses but no longer uses)", _integer),
     ("KVCACHED_CONTIGUOUS_LAYOUT", "true on CUDA, false on ROCm", "'true' or 'false'", _flag),
     ("KVCACHED_IPC_TIMEOUT", "60", "a number of seconds (0 or less: no timeout)", _timeout),
+    ("KVCACHED_SANITY_CHECK", "false", "'true' or 'false'", _flag),
+    ("KVCACHED_LOG_LEVEL", "INFO in its Python code, WARNING in its C++ page allocator",
+     "DEBUG, INFO, WARNING, ERROR or CRITICAL, starting with an upper-case letter, or VERBOSE "
+     "(the C++ page allocator's finest; Python logs at INFO then)", _log_level),
+    ("KVCACHED_LOG_COLOR", "true", "'true' or 'false'", _flag),
 )
 TUNING_VARIABLES = tuple(name for name, *_ in _TUNING)
 _RESERVED_DEFAULTS = {"KVCACHED_MIN_RESERVED_PAGES": 5, "KVCACHED_MAX_RESERVED_PAGES": 10}
