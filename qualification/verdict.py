@@ -223,97 +223,90 @@ def _arms(pairs: Sequence[Pair]) -> list[tuple[int, ArmResult]]:
     return [(p.repetition, a) for p in pairs for a in (p.baseline, p.candidate)]
 
 
-def evaluate_gates(
-    pairs: Sequence[Pair],
-    *,
-    cancel_bound_s: float | None,
-    tensor_parallel_size: int,
-) -> tuple[GateResult, ...]:
-    """The functional gates; each must hold in every repeat and both arms."""
-    arms = _arms(pairs)
-    gates: list[GateResult] = []
+Arms = Sequence[tuple[int, ArmResult]]
 
+
+def _short_output_gate(pairs: Sequence[Pair]) -> GateResult:
     hashes = [(p.repetition, p.baseline.short_hash, p.candidate.short_hash) for p in pairs]
-    gates.append(
-        _gate(
-            "short-output-identical",
-            [f"repeat {r}: {b} != {c}" for r, b, c in hashes if b is None or b != c],
-            applicable=any(b is not None or c is not None for _, b, c in hashes),
-        )
+    return _gate(
+        "short-output-identical",
+        [f"repeat {r}: {b} != {c}" for r, b, c in hashes if b is None or b != c],
+        applicable=any(b is not None or c is not None for _, b, c in hashes),
     )
-    gates.append(
-        _gate(
-            "no-failed-or-starved",
-            [
-                f"repeat {r} {a.arm}: failed={a.failed} starved={a.starved}"
-                + (f" error={a.error}" if a.error else "")
-                for r, a in arms
-                if a.failed or a.starved or a.error or a.completed < a.requests
-            ],
-        )
+
+
+def _failed_or_starved_gate(arms: Arms) -> GateResult:
+    return _gate("no-failed-or-starved", [
+        f"repeat {r} {a.arm}: failed={a.failed} starved={a.starved}"
+        + (f" error={a.error}" if a.error else "")
+        for r, a in arms
+        if a.failed or a.starved or a.error or a.completed < a.requests
+    ])
+
+
+def _cancellation_gate(arms: Arms, cancel_bound_s: float | None) -> GateResult:
+    return _gate(
+        "cancellation-drains",
+        [
+            f"repeat {r} {a.arm}: drain {a.drain_s}s > bound {cancel_bound_s}s"
+            for r, a in arms
+            if a.drain_s is None or cancel_bound_s is None or a.drain_s > cancel_bound_s
+        ],
+        applicable=cancel_bound_s is not None,
     )
-    gates.append(
-        _gate(
-            "cancellation-drains",
-            [
-                f"repeat {r} {a.arm}: drain {a.drain_s}s > bound {cancel_bound_s}s"
-                for r, a in arms
-                if a.drain_s is None or cancel_bound_s is None or a.drain_s > cancel_bound_s
-            ],
-            applicable=cancel_bound_s is not None,
-        )
-    )
-    gates.append(
-        _gate(
-            "recovers-after-restart",
-            [
-                f"repeat {r} {a.arm}: " + _why_not_recovered(a)
-                for r, a in arms
-                if not a.started or a.recovery_ok is False
-            ],
-        )
-    )
-    graph_known = any(a.graph_captured is not None or a.tp_ranks is not None for _, a in arms)
+
+
+def _recovery_gate(arms: Arms) -> GateResult:
+    return _gate("recovers-after-restart", [
+        f"repeat {r} {a.arm}: " + _why_not_recovered(a)
+        for r, a in arms
+        if not a.started or a.recovery_ok is False
+    ])
+
+
+def _graph_and_ranks_gate(arms: Arms, tp: int) -> GateResult:
     # Every rank 0..tp-1 seen, counted over the ranks seen: range(tp) itself would never
     # end for a profile declaring tensor_parallel_size = 10**30.
-    tp = tensor_parallel_size
-    gates.append(
-        _gate(
-            "graph-capture-and-tp-ranks",
-            [
-                f"repeat {r} {a.arm}: graph_captured={a.graph_captured} tp_ranks={a.tp_ranks}"
-                for r, a in arms
-                if a.graph_captured is False
-                or (a.tp_ranks is not None
-                    and len({rank for rank in a.tp_ranks if 0 <= rank < tp}) < tp)
-            ],
-            applicable=graph_known,
-        )
+    return _gate(
+        "graph-capture-and-tp-ranks",
+        [
+            f"repeat {r} {a.arm}: graph_captured={a.graph_captured} tp_ranks={a.tp_ranks}"
+            for r, a in arms
+            if a.graph_captured is False
+            or (a.tp_ranks is not None
+                and len({rank for rank in a.tp_ranks if 0 <= rank < tp}) < tp)
+        ],
+        applicable=any(a.graph_captured is not None or a.tp_ranks is not None for _, a in arms),
     )
-    gates.append(
-        _gate(
-            "zero-tracebacks",
-            [f"repeat {r} {a.arm}: {a.tracebacks} traceback(s)" for r, a in arms if a.tracebacks],
-            applicable=any(a.tracebacks is not None for _, a in arms),
-        )
+
+
+def _traceback_gate(arms: Arms) -> GateResult:
+    return _gate(
+        "zero-tracebacks",
+        [f"repeat {r} {a.arm}: {a.tracebacks} traceback(s)" for r, a in arms if a.tracebacks],
+        applicable=any(a.tracebacks is not None for _, a in arms),
     )
-    policy_faults: list[str] = []
+
+
+def _policy_fault_gate(arms: Arms) -> GateResult:
+    faults: list[str] = []
     for r, a in arms:
         if a.arm == "candidate" and a.counters is None:
-            policy_faults.append(f"repeat {r} candidate: policy counters unavailable")
+            faults.append(f"repeat {r} candidate: policy counters unavailable")
         elif a.counters is not None:
             # The candidate must report both fault counters: one it lacks is unknown, not
             # zero (export_stats() and the host's metrics carry all five).
             missing = [k for k in FAULT_COUNTERS if k not in a.counters]
             if a.arm == "candidate" and missing:
-                policy_faults.append(
-                    f"repeat {r} candidate: {', '.join(missing)} counter(s) unavailable"
-                )
+                faults.append(f"repeat {r} candidate: {', '.join(missing)} counter(s) unavailable")
             bad = {k: a.counters.get(k, 0) for k in FAULT_COUNTERS}
             if any(bad.values()):
-                policy_faults.append(f"repeat {r} {a.arm}: {bad}")
-    gates.append(_gate("zero-policy-failures", policy_faults))
-    enabled_faults = [
+                faults.append(f"repeat {r} {a.arm}: {bad}")
+    return _gate("zero-policy-failures", faults)
+
+
+def _enabled_and_invoked_gate(pairs: Sequence[Pair]) -> GateResult:
+    faults = [
         f"repeat {p.repetition} candidate: policy enabled={p.candidate.policy_enabled}"
         for p in pairs
         if p.candidate.policy_enabled is not True
@@ -325,9 +318,28 @@ def evaluate_gates(
         if p.baseline.counters is not None and p.baseline.counters.get("selections", 0) > 0
     ]
     if pairs and not any(p.candidate.invoked for p in pairs):
-        enabled_faults.append("the policy was never invoked in any candidate arm")
-    gates.append(_gate("policy-enabled-and-invoked", enabled_faults))
-    return tuple(gates)
+        faults.append("the policy was never invoked in any candidate arm")
+    return _gate("policy-enabled-and-invoked", faults)
+
+
+def evaluate_gates(
+    pairs: Sequence[Pair],
+    *,
+    cancel_bound_s: float | None,
+    tensor_parallel_size: int,
+) -> tuple[GateResult, ...]:
+    """The functional gates; each must hold in every repeat and both arms."""
+    arms = _arms(pairs)
+    return (
+        _short_output_gate(pairs),
+        _failed_or_starved_gate(arms),
+        _cancellation_gate(arms, cancel_bound_s),
+        _recovery_gate(arms),
+        _graph_and_ranks_gate(arms, tensor_parallel_size),
+        _traceback_gate(arms),
+        _policy_fault_gate(arms),
+        _enabled_and_invoked_gate(pairs),
+    )
 
 
 def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, DeltaSummary]:

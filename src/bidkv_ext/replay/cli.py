@@ -36,7 +36,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bidkv_ext.contract import PreemptionPolicy
 from bidkv_ext.replay import jsontext
@@ -53,14 +53,35 @@ from bidkv_ext.replay.capacity import (
     CapacityScheduleError,
     load_capacity_schedule,
 )
-from bidkv_ext.replay.report import OutputError, prepare_output_dir
+from bidkv_ext.replay.report import (
+    NonFiniteError,
+    OutputError,
+    format_capacity_table,
+    format_table,
+    markdown_report,
+    output_error,
+    prepare_output_dir,
+    write_atomic,
+    write_json,
+    write_plots,
+)
 from bidkv_ext.replay.steptime import (
     PRESETS,
+    StepTimeModel,
     StepTimeModelError,
     check_step_bound,
     load_step_model,
 )
-from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace, select_requests
+from bidkv_ext.replay.trace import (
+    TraceError,
+    TraceRequest,
+    TraceSelection,
+    load_trace,
+    select_requests,
+)
+
+if TYPE_CHECKING:  # the engine imports vLLM (seconds); usage errors must not wait for it
+    from bidkv_ext.replay.engine import ReplaySettings
 
 __all__ = ["DEFAULT_POLICIES", "SAMPLE_NUM_GPU_BLOCKS", "SAMPLE_TRACE", "build_parser", "main"]
 
@@ -269,21 +290,52 @@ def _one_line(exc: ValueError) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Usage errors first, in the order a user fixes them (numbers, config, step model, arms,
+    # trace), all before vLLM is imported; the output directory is created last.
     _check_numbers(args)
     args.output_dir = _output_dir(args.output_dir)
     additional = _additional_config(args.additional_config)
+    step_model = _step_model(args)
+    trace_path: Path = args.trace if args.trace is not None else SAMPLE_TRACE
+    num_blocks = args.num_gpu_blocks or (
+        SAMPLE_NUM_GPU_BLOCKS if args.trace is None else DEFAULT_NUM_GPU_BLOCKS)
+    capacity = (None if args.capacity_schedule is None
+                else load_capacity_schedule(args.capacity_schedule, num_blocks - 1))
+    arms = _policy_arms(args, additional)
+    raw = load_trace(trace_path, args.format)
+    selection, requests = _window(args, raw, trace_path, num_blocks - 1)
+
+    # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
+    from bidkv_ext.replay.engine import ReplayError, preflight_arms
+
+    settings = _settings(args, num_blocks, additional, capacity)
+    try:
+        policies = preflight_arms(requests, arms, settings)
+    except ReplayError as exc:
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+    # Last check before the first engine: creates the directory, so only when all else passed.
+    prepare_output_dir(args.output_dir, _output_names(args))
+    trace_info = _trace_info(args, trace_path, raw, selection, requests)
+    try:
+        results, ttfts, speeds, walls = _replay_all(requests, arms, policies, settings,
+                                                    step_model, args)
+    except ReplayError as exc:
+        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+        return 2
+    return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
+
+
+def _step_model(args: argparse.Namespace) -> StepTimeModel:
     step_model = load_step_model(args.step_model)
     check_step_bound(step_model, args.step_model, MAX_SIMULATED_SECONDS,
                      prefill_tokens=args.max_num_batched_tokens,
                      decode_requests=args.max_num_seqs,
                      decode_context=args.max_num_seqs * args.max_model_len)
-    trace_path: Path = args.trace if args.trace is not None else SAMPLE_TRACE
-    is_sample = args.trace is None
-    default_blocks = SAMPLE_NUM_GPU_BLOCKS if is_sample else DEFAULT_NUM_GPU_BLOCKS
-    num_blocks = args.num_gpu_blocks or default_blocks
-    capacity: CapacitySchedule | None = None
-    if args.capacity_schedule is not None:
-        capacity = load_capacity_schedule(args.capacity_schedule, num_blocks - 1)
+    return step_model
+
+
+def _policy_arms(args: argparse.Namespace, additional: dict[str, Any]) -> tuple[Arm, ...]:
     policies = args.policies
     if policies is None and args.preemption_policy is None and not args.policy_class:
         policies = DEFAULT_POLICIES
@@ -297,9 +349,13 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError("no policy arm: give --policies, --preemption-policy or --policy-class")
     check_arms(arms, additional, environ=os.environ, block_size=args.block_size,
                prefix_caching=args.prefix_caching)
+    return arms
 
-    fmt = args.format
-    raw = load_trace(trace_path, fmt)
+
+def _window(
+    args: argparse.Namespace, raw: Sequence[TraceRequest], trace_path: Path, usable_blocks: int
+) -> tuple[TraceSelection, tuple[TraceRequest, ...]]:
+    """The requests replayed: the selected window, less those the KV cache cannot hold."""
     selection = select_requests(
         raw,
         start=args.start,
@@ -308,20 +364,25 @@ def _run(args: argparse.Namespace) -> int:
         rate_scale=args.rate_scale,
         max_model_len=args.max_model_len,
     )
-    usable = num_blocks - 1
-    requests = tuple(r for r in selection.requests if _fits(r, usable, args.block_size))
-    too_big = len(selection.requests) - len(requests)
+    requests = tuple(r for r in selection.requests if _fits(r, usable_blocks, args.block_size))
     if not requests:
         raise _UsageError(
             f"{trace_path}: no request left after the window (--start, --duration, "
             "--max-requests) and the length filters (--max-model-len, and the KV capacity of "
             "--num-gpu-blocks x --block-size); expected a window holding requests that fit")
     _check_arrivals(requests, args.rate_scale, trace_path)
+    return selection, requests
 
-    # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
-    from bidkv_ext.replay.engine import ReplayError, ReplaySettings, preflight_arms
 
-    settings = ReplaySettings(
+def _settings(
+    args: argparse.Namespace,
+    num_blocks: int,
+    additional: dict[str, Any],
+    capacity: CapacitySchedule | None,
+) -> ReplaySettings:
+    from bidkv_ext.replay.engine import ReplaySettings
+
+    return ReplaySettings(
         num_gpu_blocks=num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -336,14 +397,17 @@ def _run(args: argparse.Namespace) -> int:
         blocks_per_page=args.blocks_per_page,
         capacity_signals=args.capacity_signals,
     )
-    try:
-        policies = preflight_arms(requests, arms, settings)
-    except ReplayError as exc:
-        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
-        return 2
-    # Last check before the first engine: creates the directory, so only when all else passed.
-    prepare_output_dir(args.output_dir, _output_names(args))
-    trace_info: dict[str, Any] = {
+
+
+def _trace_info(
+    args: argparse.Namespace,
+    trace_path: Path,
+    raw: Sequence[TraceRequest],
+    selection: TraceSelection,
+    requests: Sequence[TraceRequest],
+) -> dict[str, Any]:
+    """What report.json says of the trace and the window taken from it."""
+    return {
         "name": trace_path.name,
         "format": "mooncake" if raw[0].hash_ids is not None else "azure",
         "sha256": _sha256(trace_path),
@@ -354,17 +418,10 @@ def _run(args: argparse.Namespace) -> int:
         "rate_scale": args.rate_scale,
         "rows_in_window": selection.rows_in_window,
         "filtered_too_long": selection.filtered_too_long,
-        "filtered_kv_capacity": too_big,
+        "filtered_kv_capacity": len(selection.requests) - len(requests),
         "requests": len(requests),
-        "attribution": SAMPLE_ATTRIBUTION if is_sample else None,
+        "attribution": SAMPLE_ATTRIBUTION if args.trace is None else None,
     }
-    try:
-        results, ttfts, speeds, walls = _replay_all(requests, arms, policies, settings,
-                                                    step_model, args)
-    except ReplayError as exc:
-        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
-        return 2
-    return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
 
 
 def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float, trace: Path) -> None:
@@ -385,8 +442,8 @@ def _replay_all(
     requests: tuple[TraceRequest, ...],
     arms: tuple[Arm, ...],
     policies: Sequence[PreemptionPolicy | None],
-    settings: Any,
-    step_model: Any,
+    settings: ReplaySettings,
+    step_model: StepTimeModel,
     args: argparse.Namespace,
 ) -> tuple[list[dict[str, object]], list[tuple[str, list[float]]], dict[str, float],
            dict[str, float]]:
@@ -419,28 +476,52 @@ def _replay_all(
 def _write_outputs(
     args: argparse.Namespace,
     trace_info: dict[str, Any],
-    settings: Any,
-    step_model: Any,
+    settings: ReplaySettings,
+    step_model: StepTimeModel,
     results: list[dict[str, object]],
     ttfts: list[tuple[str, list[float]]],
     speeds: dict[str, float],
     walls: dict[str, float],
 ) -> int:
+    document = _report_document(args, trace_info, settings, step_model, results)
+    # The table first: if a file cannot be written after all, the results are on stdout.
+    print(format_table(results, speeds))
+    capacity_table = format_capacity_table(results)
+    if capacity_table:
+        print(capacity_table)
+    out: Path = args.output_dir
+    timing = {"wall_seconds": walls, "simulated_seconds_per_wall_second": speeds}
+    writers: list[tuple[Path, Callable[[], None]]] = [
+        (out / "report.json", lambda: write_json(out / "report.json", document)),
+        (out / "timing.json", lambda: write_json(out / "timing.json", timing)),
+        (out / "report.md",
+         lambda: write_atomic(out / "report.md", markdown_report(document, speeds).encode())),
+    ]
+    if not args.no_plots:
+        writers.append((out, lambda: write_plots(out, ttfts, results)))
+    _write_all(writers)
+    print(f"outputs: {out}/ ({', '.join(_output_names(args))})")
+    broken = [r["label"] for r in results if not _conserved(r)]
+    if broken:
+        print(f"bidkv-replay: error: conservation violated for {', '.join(map(str, broken))}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report_document(
+    args: argparse.Namespace,
+    trace_info: dict[str, Any],
+    settings: ReplaySettings,
+    step_model: StepTimeModel,
+    results: list[dict[str, object]],
+) -> dict[str, Any]:
+    """report.json: the trace window, the engine's settings, the host and every arm."""
     import vllm
 
     from bidkv_ext._version import __version__ as bidkv_version
-    from bidkv_ext.replay.report import (
-        NonFiniteError,
-        format_capacity_table,
-        format_table,
-        markdown_report,
-        output_error,
-        write_atomic,
-        write_json,
-        write_plots,
-    )
 
-    document: dict[str, Any] = {
+    return {
         "schema": SCHEMA,
         "seed": args.seed,
         "trace": trace_info,
@@ -463,21 +544,10 @@ def _write_outputs(
         "step_model": step_model.as_dict(),
         "arms": results,
     }
-    # The table first: if a file cannot be written after all, the results are on stdout.
-    print(format_table(results, speeds))
-    capacity_table = format_capacity_table(results)
-    if capacity_table:
-        print(capacity_table)
-    out: Path = args.output_dir
-    timing = {"wall_seconds": walls, "simulated_seconds_per_wall_second": speeds}
-    writers: list[tuple[Path, Callable[[], None]]] = [
-        (out / "report.json", lambda: write_json(out / "report.json", document)),
-        (out / "timing.json", lambda: write_json(out / "timing.json", timing)),
-        (out / "report.md",
-         lambda: write_atomic(out / "report.md", markdown_report(document, speeds).encode())),
-    ]
-    if not args.no_plots:
-        writers.append((out, lambda: write_plots(out, ttfts, results)))
+
+
+def _write_all(writers: Sequence[tuple[Path, Callable[[], None]]]) -> None:
+    """Write every file that can be written; then raise the first failure as one line."""
     failed: list[OutputError] = []
     for target, write in writers:
         try:
@@ -490,18 +560,12 @@ def _write_outputs(
             # file that holds it is lost, not the run.
             failed.append(OutputError(str(exc)))
     if failed:
-        # Every file that can be written was; the first failure is the one-line error.
         raise failed[0]
-    print(f"outputs: {out}/ ({', '.join(_output_names(args))})")
-    broken = [r["label"] for r in results if not _conserved(r)]
-    if broken:
-        print(f"bidkv-replay: error: conservation violated for {', '.join(map(str, broken))}",
-              file=sys.stderr)
-        return 1
-    return 0
 
 
-def _capacity_settings(args: argparse.Namespace, settings: Any) -> dict[str, Any] | None:
+def _capacity_settings(
+    args: argparse.Namespace, settings: ReplaySettings
+) -> dict[str, Any] | None:
     schedule = settings.capacity_schedule
     if schedule is None:
         return None
