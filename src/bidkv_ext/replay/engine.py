@@ -477,15 +477,6 @@ class _Loop:
         requests = self.requests
         n = len(requests)
         scheduler = self.scheduler
-        sched_requests = scheduler.requests
-        index = self.index
-        mark, position, fake = self.mark, self.position, self.fake_token
-        preempted_step = self.preempted_step
-        # With a max_tokens cap the last token of a request is EOS, sampled at its length.
-        eos_id: int = self.offline.EOS_TOKEN_ID
-        stop_by_eos = self.settings.max_tokens != "exact"
-        lengths = self.lengths
-        first, finish, tokens = self.first, self.finish, self.tokens
         step_seconds = self.model.step_seconds
         elastic = self.elastic
         free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks
@@ -509,8 +500,7 @@ class _Loop:
             preempted = out.preempted_req_ids
             if preempted:
                 self._record_preemptions(preempted)
-            scheduled = out.num_scheduled_tokens
-            if not scheduled:
+            if not out.num_scheduled_tokens:
                 scheduler.update_from_output(out, runner_output_cls(req_ids=[], req_id_to_index={}))
                 # A step that preempted freed blocks and skipped admission, so the next step
                 # may run what is left in `running`: only steps that changed nothing show
@@ -521,37 +511,7 @@ class _Loop:
                     idle_steps = 0
                 continue
             idle_steps = 0
-            req_ids = list(scheduled)
-            sampled: list[list[int]] = []
-            prefill = decode = context = recomputed = 0
-            for rid in req_ids:
-                k = scheduled[rid]
-                request = sched_requests[rid]
-                end = request.num_computed_tokens
-                start = end - k
-                i = index[rid]
-                if preempted_step[i] >= 0:
-                    self.return_steps += self.steps - preempted_step[i]
-                    self.returns += 1
-                    preempted_step[i] = -1
-                high = mark[i]
-                if start < high:
-                    recomputed += (end if end < high else high) - start
-                if end > high:
-                    mark[i] = end
-                position[i] = end
-                if end >= request.num_tokens:
-                    last = stop_by_eos and request.num_output_tokens + 1 >= lengths[i]
-                    sampled.append([eos_id if last else fake[i]])
-                    if k == 1 and request.num_output_tokens > 0:
-                        decode += 1
-                        context += end
-                    else:
-                        prefill += k
-                else:
-                    sampled.append([])
-                    prefill += k
-            self.recomputed += recomputed
+            req_ids, sampled, prefill, decode, context = self._execute(out.num_scheduled_tokens)
             self.computed += out.total_num_scheduled_tokens
             now += step_seconds(prefill, decode, context)
             self.clock.now = now
@@ -562,20 +522,77 @@ class _Loop:
                 req_id_to_index={rid: j for j, rid in enumerate(req_ids)},
                 sampled_token_ids=sampled,
             )
-            for engine_outputs in scheduler.update_from_output(out, runner_output).values():
-                for output in engine_outputs.outputs:
-                    i = index[output.request_id]
-                    count = len(output.new_token_ids)
-                    if count:
-                        if tokens[i] == 0:
-                            first[i] = now
-                        tokens[i] += count
-                    if output.finish_reason is not None:
-                        finish[i] = now
-                        self.completions[i] += 1
-                        done += 1
-                        if progress is not None:
-                            progress.update(1)
+            done += self._deliver(scheduler.update_from_output(out, runner_output), now, progress)
+
+    def _execute(
+        self, scheduled: Mapping[str, int]
+    ) -> tuple[list[str], list[list[int]], int, int, int]:
+        """Play the model for one step: the token each request samples, the step's prefill
+        and decode work for the step-time model, and the positions computed a second time.
+
+        Returns the scheduled ids, their sampled tokens, prefill tokens, decode requests and
+        the decodes' summed context.
+        """
+        sched_requests = self.scheduler.requests
+        index, mark, position, fake = self.index, self.mark, self.position, self.fake_token
+        preempted_step, lengths = self.preempted_step, self.lengths
+        # With a max_tokens cap the last token of a request is EOS, sampled at its length.
+        eos_id: int = self.offline.EOS_TOKEN_ID
+        stop_by_eos = self.settings.max_tokens != "exact"
+        req_ids = list(scheduled)
+        sampled: list[list[int]] = []
+        prefill = decode = context = recomputed = 0
+        for rid in req_ids:
+            k = scheduled[rid]
+            request = sched_requests[rid]
+            end = request.num_computed_tokens
+            start = end - k
+            i = index[rid]
+            if preempted_step[i] >= 0:
+                self.return_steps += self.steps - preempted_step[i]
+                self.returns += 1
+                preempted_step[i] = -1
+            high = mark[i]
+            if start < high:
+                recomputed += (end if end < high else high) - start
+            if end > high:
+                mark[i] = end
+            position[i] = end
+            if end >= request.num_tokens:
+                last = stop_by_eos and request.num_output_tokens + 1 >= lengths[i]
+                sampled.append([eos_id if last else fake[i]])
+                if k == 1 and request.num_output_tokens > 0:
+                    decode += 1
+                    context += end
+                else:
+                    prefill += k
+            else:
+                sampled.append([])
+                prefill += k
+        self.recomputed += recomputed
+        return req_ids, sampled, prefill, decode, context
+
+    def _deliver(self, engine_outputs: Mapping[int, Any], now: float,
+                 progress: Progress | None) -> int:
+        """Record first tokens and finishes from one step's outputs; returns how many
+        requests finished."""
+        index, first, finish, tokens = self.index, self.first, self.finish, self.tokens
+        finished = 0
+        for client_outputs in engine_outputs.values():
+            for output in client_outputs.outputs:
+                i = index[output.request_id]
+                count = len(output.new_token_ids)
+                if count:
+                    if tokens[i] == 0:
+                        first[i] = now
+                    tokens[i] += count
+                if output.finish_reason is not None:
+                    finish[i] = now
+                    self.completions[i] += 1
+                    finished += 1
+                    if progress is not None:
+                        progress.update(1)
+        return finished
 
     def _next_event(self, now: float, arrived: int) -> float:
         """Where the clock goes when nothing can be scheduled: the next arrival or capacity

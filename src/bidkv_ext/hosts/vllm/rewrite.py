@@ -299,6 +299,26 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
     ``source`` is the method's source (indentation is removed). Raises
     :class:`UnsupportedHostError` naming the first statement whose shape does not match.
     """
+    tree, func = _parse_schedule(source, version)
+    loop = _allocation_retry_loop(func, version)
+    body: list[ast.stmt] = loop.body
+    choice_at, removal_at = _victim_statements(body, version)
+    choice = body[choice_at]
+    removal: ast.If = body[removal_at]  # type: ignore[assignment]  # shape checked above
+    # Splice: the choice becomes one call, the removal becomes its PRIORITY body.
+    loop.body = [
+        *body[:choice_at],
+        ast.copy_location(_adapter_call(), choice),
+        *body[choice_at + 1 : removal_at],
+        *removal.body,
+        *body[removal_at + 1 :],
+    ]
+    ast.fix_missing_locations(tree)
+    return tree
+
+
+def _parse_schedule(source: str, version: str) -> tuple[ast.Module, ast.FunctionDef]:
+    """The parsed source and its undecorated ``schedule`` using every required local."""
     try:
         tree = ast.parse(textwrap.dedent(source))
     except SyntaxError as exc:
@@ -312,20 +332,23 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
     )
     if func.decorator_list:
         raise UnsupportedHostError(version, "statement 'def schedule' is decorated")
-
     all_names = _names_in(func.body)
     missing = [name for name in _REQUIRED_NAMES if name not in all_names]
     if missing:
         raise UnsupportedHostError(
             version, f"local name(s) {', '.join(missing)} not used in schedule"
         )
+    return tree, func
 
+
+def _allocation_retry_loop(func: ast.FunctionDef, version: str) -> ast.While:
+    """The ``while True`` that retries ``allocate_slots`` after each preemption."""
     with_node = _only(
         (n for n in ast.walk(func) if _is_allocate_slots_with(n)),
         version,
         "statement 'with record_function_or_nullcontext(\"schedule: allocate_slots\")'",
     )
-    loop = _only(
+    loop: ast.While = _only(
         (
             n
             for n in with_node.body
@@ -336,12 +359,17 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
         version,
         "statement 'while True' in the allocate_slots block",
     )
-    body: list[ast.stmt] = loop.body
-    if not _allocates_with_num_new_tokens(body):
+    if not _allocates_with_num_new_tokens(loop.body):
         raise UnsupportedHostError(
             version,
             "statement 'self.kv_cache_manager.allocate_slots(request, num_new_tokens, ...)'",
         )
+    return loop
+
+
+def _victim_statements(body: list[ast.stmt], version: str) -> tuple[int, int]:
+    """Where the loop chooses the victim and where it removes it (two PRIORITY tests),
+    each checked to have the shape the splice relies on."""
     ifs = [i for i, s in enumerate(body) if isinstance(s, ast.If) and _is_priority_test(s.test)]
     if len(ifs) != 2:
         raise UnsupportedHostError(
@@ -352,7 +380,6 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
     choice_at, removal_at = ifs
     choice: ast.If = body[choice_at]  # type: ignore[assignment]
     removal: ast.If = body[removal_at]  # type: ignore[assignment]
-
     if not (
         _assigns_preempted_req(choice.body, _is_max_running)
         and _assigns_preempted_req(choice.orelse, _is_running_tail)
@@ -382,8 +409,12 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
         raise UnsupportedHostError(
             version, "statement 'self._preempt_request(preempted_req, scheduled_timestamp, ...)'"
         )
+    return choice_at, removal_at
 
-    call = ast.Assign(
+
+def _adapter_call() -> ast.Assign:
+    """``preempted_req = self.<ADAPTER_METHOD>(request, scheduled_timestamp, num_new_tokens)``"""
+    return ast.Assign(
         targets=[ast.Name(id="preempted_req", ctx=ast.Store())],
         value=ast.Call(
             func=ast.Attribute(
@@ -397,17 +428,6 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
             keywords=[],
         ),
     )
-    ast.copy_location(call, choice)
-    # Splice: the choice becomes one call, the removal becomes its PRIORITY body.
-    loop.body = [
-        *body[:choice_at],
-        call,
-        *body[choice_at + 1 : removal_at],
-        *removal.body,
-        *body[removal_at + 1 :],
-    ]
-    ast.fix_missing_locations(tree)
-    return tree
 
 
 def _same_file(first: str, second: object) -> bool:
