@@ -53,18 +53,7 @@ from bidkv_ext.replay.capacity import (
     CapacityScheduleError,
     load_capacity_schedule,
 )
-from bidkv_ext.replay.report import (
-    NonFiniteError,
-    OutputError,
-    format_capacity_table,
-    format_table,
-    markdown_report,
-    output_error,
-    prepare_output_dir,
-    write_atomic,
-    write_json,
-    write_plots,
-)
+from bidkv_ext.replay.report import OutputError, prepare_output_dir
 from bidkv_ext.replay.steptime import (
     PRESETS,
     StepTimeModel,
@@ -483,6 +472,16 @@ def _write_outputs(
     speeds: dict[str, float],
     walls: dict[str, float],
 ) -> int:
+    # Imported when called: a test stands in for a writer by patching the report module.
+    from bidkv_ext.replay.report import (
+        format_capacity_table,
+        format_table,
+        markdown_report,
+        write_atomic,
+        write_json,
+        write_plots,
+    )
+
     document = _report_document(args, trace_info, settings, step_model, results)
     # The table first: if a file cannot be written after all, the results are on stdout.
     print(format_table(results, speeds))
@@ -548,6 +547,8 @@ def _report_document(
 
 def _write_all(writers: Sequence[tuple[Path, Callable[[], None]]]) -> None:
     """Write every file that can be written; then raise the first failure as one line."""
+    from bidkv_ext.replay.report import NonFiniteError, output_error
+
     failed: list[OutputError] = []
     for target, write in writers:
         try:
