@@ -279,8 +279,8 @@ def _one_line(exc: ValueError) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Usage errors first, in the order a user fixes them (numbers, config, step model, arms,
-    # trace), all before vLLM is imported; the output directory is created last.
+    # Usage errors first (numbers, config, step model, capacity schedule, arms, trace), all
+    # before vLLM is imported; the output directory is created last.
     _check_numbers(args)
     args.output_dir = _output_dir(args.output_dir)
     additional = _additional_config(args.additional_config)
