@@ -312,7 +312,8 @@ def _run(args: argparse.Namespace) -> int:
     except ReplayError as exc:
         print(f"bidkv-replay: error: {exc}", file=sys.stderr)
         return 2
-    return _write_outputs(args, trace_info, settings, step_model, results, ttfts, speeds, walls)
+    document = _report_document(args, trace_info, settings, step_model, results)
+    return _write_outputs(args, document, ttfts, speeds, walls)
 
 
 def _step_model(args: argparse.Namespace) -> StepTimeModel:
@@ -464,10 +465,7 @@ def _replay_all(
 
 def _write_outputs(
     args: argparse.Namespace,
-    trace_info: dict[str, Any],
-    settings: ReplaySettings,
-    step_model: StepTimeModel,
-    results: list[dict[str, object]],
+    document: dict[str, Any],
     ttfts: list[tuple[str, list[float]]],
     speeds: dict[str, float],
     walls: dict[str, float],
@@ -482,7 +480,7 @@ def _write_outputs(
         write_plots,
     )
 
-    document = _report_document(args, trace_info, settings, step_model, results)
+    results: list[dict[str, object]] = document["arms"]
     # The table first: if a file cannot be written after all, the results are on stdout.
     print(format_table(results, speeds))
     capacity_table = format_capacity_table(results)

@@ -302,9 +302,8 @@ def rewrite_schedule_source(source: str, *, version: str) -> ast.Module:
     tree, func = _parse_schedule(source, version)
     loop = _allocation_retry_loop(func, version)
     body: list[ast.stmt] = loop.body
-    choice_at, removal_at = _victim_statements(body, version)
+    choice_at, removal_at, removal = _victim_statements(body, version)
     choice = body[choice_at]
-    removal: ast.If = body[removal_at]  # type: ignore[assignment]  # shape checked above
     # Splice: the choice becomes one call, the removal becomes its PRIORITY body.
     loop.body = [
         *body[:choice_at],
@@ -367,19 +366,18 @@ def _allocation_retry_loop(func: ast.FunctionDef, version: str) -> ast.While:
     return loop
 
 
-def _victim_statements(body: list[ast.stmt], version: str) -> tuple[int, int]:
+def _victim_statements(body: list[ast.stmt], version: str) -> tuple[int, int, ast.If]:
     """Where the loop chooses the victim and where it removes it (two PRIORITY tests),
-    each checked to have the shape the splice relies on."""
-    ifs = [i for i, s in enumerate(body) if isinstance(s, ast.If) and _is_priority_test(s.test)]
+    each checked to have the shape the splice relies on; and the removal statement."""
+    ifs = [(i, s) for i, s in enumerate(body)
+           if isinstance(s, ast.If) and _is_priority_test(s.test)]
     if len(ifs) != 2:
         raise UnsupportedHostError(
             version,
             "expected two statements 'if self.policy == SchedulingPolicy.PRIORITY' in the "
             f"allocation retry loop, found {len(ifs)}",
         )
-    choice_at, removal_at = ifs
-    choice: ast.If = body[choice_at]  # type: ignore[assignment]
-    removal: ast.If = body[removal_at]  # type: ignore[assignment]
+    (choice_at, choice), (removal_at, removal) = ifs
     if not (
         _assigns_preempted_req(choice.body, _is_max_running)
         and _assigns_preempted_req(choice.orelse, _is_running_tail)
@@ -409,7 +407,7 @@ def _victim_statements(body: list[ast.stmt], version: str) -> tuple[int, int]:
         raise UnsupportedHostError(
             version, "statement 'self._preempt_request(preempted_req, scheduled_timestamp, ...)'"
         )
-    return choice_at, removal_at
+    return choice_at, removal_at, removal
 
 
 def _adapter_call() -> ast.Assign:
