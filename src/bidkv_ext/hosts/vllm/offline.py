@@ -133,7 +133,18 @@ def build_vllm_config(
         cache_config=cache_config,
         additional_config=dict(additional_config or {}),
     )
-    kv_cache_config = KVCacheConfig(
+    cache_config.num_gpu_blocks = num_gpu_blocks
+    # vLLM's CPU platform switches async scheduling off while the config is built (no CPU
+    # model runner overlaps steps). Offline there is no runner, and the flag only picks the
+    # scheduler variant a GPU host would run, so the requested value is put back.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
+    return vllm_config, _kv_cache_config(num_gpu_blocks, block_size)
+
+
+def _kv_cache_config(num_gpu_blocks: int, block_size: int) -> KVCacheConfig:
+    """One full-attention group of ``num_gpu_blocks`` blocks; no tensors (nothing runs)."""
+    return KVCacheConfig(
         num_blocks=num_gpu_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
@@ -145,13 +156,6 @@ def build_vllm_config(
             )
         ],
     )
-    cache_config.num_gpu_blocks = num_gpu_blocks
-    # vLLM's CPU platform switches async scheduling off while the config is built (no CPU
-    # model runner overlaps steps). Offline there is no runner, and the flag only picks the
-    # scheduler variant a GPU host would run, so the requested value is put back.
-    vllm_config.scheduler_config.async_scheduling = async_scheduling
-    register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
-    return vllm_config, kv_cache_config
 
 
 def build_scheduler(
