@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -102,6 +102,75 @@ def _payload(sampling: Sampling, prompt: str, max_tokens: int) -> dict[str, obje
     }
 
 
+@dataclass(slots=True)
+class _Stream:
+    """What one streaming response has delivered so far (filled while it is read)."""
+
+    sent: float
+    first: float | None = None
+    chunks: int = 0
+    usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    parts: list[str] = field(default_factory=list)
+    status: int | None = None
+    finished: bool = False
+
+    def take(self, line: str) -> None:
+        """One line of the event stream; raises ValueError for a chunk that is not an object."""
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.finished = True
+            return
+        event = json.loads(data)
+        if not isinstance(event, dict):
+            raise ValueError(f"stream chunk is not a JSON object: {data[:80]}")
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            # `include_usage`: the final chunk counts the prompt as the server tokenized
+            # it, which the recomputed-prompt figure needs.
+            self.usage_tokens = _token_count(usage, "completion_tokens", self.usage_tokens)
+            self.prompt_tokens = _token_count(usage, "prompt_tokens", self.prompt_tokens)
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            text = choice.get("text") if isinstance(choice, dict) else None
+            if isinstance(text, str) and text:
+                if self.first is None:
+                    self.first = time.monotonic()
+                self.chunks += 1
+                self.parts.append(text)
+
+    def result(self, spec: RequestSpec, origin: float, ok: bool,
+               **outcome: object) -> RequestResult:
+        end = time.monotonic()
+        return RequestResult(
+            index=spec.index,
+            ok=ok,
+            status=self.status,
+            sent_at=self.sent - origin,
+            ttft=None if self.first is None else self.first - self.sent,
+            latency=end - self.sent if ok else None,
+            output_tokens=self.usage_tokens if self.usage_tokens is not None else self.chunks,
+            text="".join(self.parts),
+            prompt_tokens=self.prompt_tokens,
+            **outcome,  # type: ignore[arg-type]
+        )
+
+
+async def _consume(session: aiohttp.ClientSession, url: str, payload: dict[str, object],
+                   stream: _Stream) -> None:
+    async with session.post(url, json=payload) as response:
+        stream.status = response.status
+        if response.status != 200:
+            body = (await response.text())[:200].strip()
+            raise RuntimeError(f"HTTP {response.status}: {body}")
+        async for raw in response.content:
+            stream.take(raw.decode("utf-8", "replace").strip())
+            if stream.finished:
+                break
+
+
 async def stream_completion(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -111,81 +180,27 @@ async def stream_completion(
     origin: float,
 ) -> RequestResult:
     """Send one streaming completion; never raises (errors are part of the result)."""
-    sent = time.monotonic()
-    first: float | None = None
-    chunks = 0
-    usage_tokens: int | None = None
-    prompt_tokens: int | None = None
-    parts: list[str] = []
-    status: int | None = None
-    finished = False
-
-    async def consume() -> None:
-        nonlocal first, chunks, usage_tokens, prompt_tokens, status, finished
-        async with session.post(
-            f"{base_url}/v1/completions", json=_payload(sampling, spec.prompt, spec.max_tokens)
-        ) as response:
-            status = response.status
-            if response.status != 200:
-                body = (await response.text())[:200].strip()
-                raise RuntimeError(f"HTTP {response.status}: {body}")
-            async for raw in response.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    finished = True
-                    break
-                event = json.loads(data)
-                if not isinstance(event, dict):
-                    raise ValueError(f"stream chunk is not a JSON object: {data[:80]}")
-                usage = event.get("usage")
-                if isinstance(usage, dict):
-                    # `include_usage`: the final chunk counts the prompt as the server
-                    # tokenized it, which the recomputed-prompt figure needs.
-                    usage_tokens = _token_count(usage, "completion_tokens", usage_tokens)
-                    prompt_tokens = _token_count(usage, "prompt_tokens", prompt_tokens)
-                choices = event.get("choices")
-                for choice in choices if isinstance(choices, list) else ():
-                    text = choice.get("text") if isinstance(choice, dict) else None
-                    if not isinstance(text, str) or not text:
-                        continue
-                    if first is None:
-                        first = time.monotonic()
-                    chunks += 1
-                    parts.append(text)
-
-    def result(ok: bool, **kw: object) -> RequestResult:
-        end = time.monotonic()
-        return RequestResult(
-            index=spec.index,
-            ok=ok,
-            status=status,
-            sent_at=sent - origin,
-            ttft=None if first is None else first - sent,
-            latency=end - sent if ok else None,
-            output_tokens=usage_tokens if usage_tokens is not None else chunks,
-            text="".join(parts),
-            prompt_tokens=prompt_tokens,
-            **kw,  # type: ignore[arg-type]
-        )
-
+    stream = _Stream(sent=time.monotonic())
+    elapsed = stream.sent - origin
+    # A cancel before the timeout ends the request as cancelled, not starved.
+    cancel = spec.cancel_at_s is not None and spec.cancel_at_s - elapsed < timeout_s
     budget = timeout_s
-    cancel = spec.cancel_at_s is not None and spec.cancel_at_s - (sent - origin) < timeout_s
     if cancel and spec.cancel_at_s is not None:
-        budget = max(0.0, spec.cancel_at_s - (sent - origin))
+        budget = max(0.0, spec.cancel_at_s - elapsed)
+    payload = _payload(sampling, spec.prompt, spec.max_tokens)
     try:
-        await asyncio.wait_for(consume(), timeout=budget)
+        await asyncio.wait_for(
+            _consume(session, f"{base_url}/v1/completions", payload, stream), timeout=budget)
     except TimeoutError:
         if cancel:
-            return result(False, cancelled=True)
-        return result(False, error=f"timed out after {timeout_s}s", timed_out=True)
+            return stream.result(spec, origin, False, cancelled=True)
+        return stream.result(spec, origin, False, error=f"timed out after {timeout_s}s",
+                             timed_out=True)
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:
-        return result(False, error=str(exc) or type(exc).__name__)
-    if not finished:
-        return result(False, error="stream ended without [DONE]")
-    return result(True)
+        return stream.result(spec, origin, False, error=str(exc) or type(exc).__name__)
+    if not stream.finished:
+        return stream.result(spec, origin, False, error="stream ended without [DONE]")
+    return stream.result(spec, origin, True)
 
 
 async def run_requests(
