@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from qualification.verdict import ArmResult, CellOutcome
 
@@ -31,17 +32,29 @@ def _finite(value: object) -> object:
     return value
 
 
-def write_json_atomic(path: Path, data: Mapping[str, object]) -> None:
+def _write_atomic(path: Path, write: Callable[[TextIO], object]) -> None:
+    """Write through a temporary file beside ``path``, renamed onto it only when ``write``
+    finished: a run that fails (or is killed) while writing keeps the previous file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".record-", dir=path.parent)
+    # Not tempfile.mkstemp: its 0600 would stay on the renamed file. Mode 0o666 lets the
+    # umask decide, as for any new file (report.md was 0644 when written directly).
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(_finite(data), handle, indent=2, sort_keys=True, allow_nan=False)
-            handle.write("\n")
+            write(handle)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Mapping[str, object]) -> None:
+    def dump(handle: TextIO) -> None:
+        json.dump(_finite(data), handle, indent=2, sort_keys=True, allow_nan=False)
+        handle.write("\n")
+
+    _write_atomic(path, dump)
 
 
 def gate_summary(outcomes: Sequence[CellOutcome]) -> dict[str, object]:
@@ -65,15 +78,30 @@ def _fmt(value: object, spec: str = "+.2f") -> str:
 def write_markdown(
     path: Path, record: Mapping[str, object], outcomes: Sequence[CellOutcome]
 ) -> None:
-    profile = record["profile"]
-    host = record["host"]
-    ext = record["extension"]
-    gate = record["gate"]
+    """report.md: the header, the verdict per cell, counters, deltas, gates, procedure
+    notes and the raw figures per repeat; written atomically."""
+    lines = _header(record)
+    lines += _verdict_table(record, outcomes)
+    lines += ["", "## Policy counters and preemptions", ""]
+    lines += _counter_totals(outcomes)
+    lines += ["", "## Paired deltas", ""]
+    lines += _delta_table(outcomes)
+    lines += ["", "## Gates", ""]
+    lines += _gate_lists(outcomes)
+    lines += _procedure_section(outcomes)
+    lines += _raw_table(outcomes)
+    text = "\n".join(lines)
+    _write_atomic(path, lambda handle: handle.write(text))
+
+
+def _header(record: Mapping[str, object]) -> list[str]:
+    profile, host = record["profile"], record["host"]
+    ext, gate = record["extension"], record["gate"]
     assert isinstance(profile, Mapping)
     assert isinstance(host, Mapping)
     assert isinstance(ext, Mapping)
     assert isinstance(gate, Mapping)
-    lines = [
+    return [
         f"# Qualification: {profile['name']} ({'PASSED' if gate['passed'] else 'FAILED'})",
         "",
         f"- Extension: `{ext['id']}` {ext['version']} (commit {ext.get('commit') or 'n/a'})",
@@ -85,6 +113,11 @@ def write_markdown(
         "",
         "A verdict applies to one cell of this lane only (qualification.md).",
         "",
+    ]
+
+
+def _verdict_table(record: Mapping[str, object], outcomes: Sequence[CellOutcome]) -> list[str]:
+    lines = [
         "| Cell | Pairs | Calls per repeat | Throughput Δ % [95% CI] "
         "| P95 latency Δ % [95% CI] | Gates | Verdict |",
         "|---|---|---|---|---|---|---|",
@@ -100,39 +133,35 @@ def write_markdown(
     blocked = record.get("blocked_cells")
     for name in blocked if isinstance(blocked, list) else []:
         lines.append(f"| {name} | 0 | - | - | - | - | blocked |")
-    lines += ["", "## Policy counters and preemptions", ""]
-    lines += _counter_totals(outcomes)
-    lines += ["", "## Paired deltas", ""]
-    lines += _delta_table(outcomes)
-    lines += ["", "## Gates", ""]
+    return lines
+
+
+def _gate_lists(outcomes: Sequence[CellOutcome]) -> list[str]:
+    lines: list[str] = []
     for o in outcomes:
-        lines.append(f"### {o.cell}")
-        lines.append("")
+        lines += [f"### {o.cell}", ""]
         for g in o.gates:
             lines.append(f"- {g.name}: **{g.status}**" + (f" — {g.detail}" if g.detail else ""))
-        lines.append(f"- verdict reason: {o.reason}")
-        lines.append("")
-    lines += _procedure_section(outcomes)
-    lines += ["## Raw figures per repeat", ""]
-    lines.append(
+        lines += [f"- verdict reason: {o.reason}", ""]
+    return lines
+
+
+_COUNTER_KEYS = ("calls", "selections", "abstentions", "failures", "invalid_selections")
+
+
+def _raw_table(outcomes: Sequence[CellOutcome]) -> list[str]:
+    lines = [
+        "## Raw figures per repeat",
+        "",
         "| Cell | Rep | First | Arm | tok/s | TTFT P50/P95 s | Latency P50/P95 s | "
-        "Done/Req | Failed | Starved | calls/sel/abst/fail/inv | Short hash |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "Done/Req | Failed | Starved | calls/sel/abst/fail/inv | Short hash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for o in outcomes:
         for p in o.pairs:
             for a in (p.baseline, p.candidate):
                 c = a.counters or {}
-                counters = "/".join(
-                    str(c.get(k, "-"))
-                    for k in (
-                        "calls",
-                        "selections",
-                        "abstentions",
-                        "failures",
-                        "invalid_selections",
-                    )
-                )
+                counters = "/".join(str(c.get(k, "-")) for k in _COUNTER_KEYS)
                 lines.append(
                     f"| {o.cell} | {p.repetition} | {p.first} | {a.arm} | "
                     f"{_fmt(a.throughput, '.2f')} | "
@@ -147,7 +176,7 @@ def write_markdown(
         "diverge between two built-in runs under batching, so they are not a gate.",
         "",
     ]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    return lines
 
 
 def procedure_notes(outcomes: Sequence[CellOutcome]) -> list[str]:
