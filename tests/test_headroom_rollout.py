@@ -11,17 +11,20 @@ still end at exactly their trace lengths. Runs the real ``bidkv-replay`` in a su
 (the oracle forks; pytest's process must not be forked) through the real vLLM scheduler.
 Each ``--objective`` keeps the option it names (``tax-no-later`` never one that makes
 requests wait longer than LCF's), and LCF's choice unless another is strictly better.
-A malformed ``BIDKV_ROLLOUT_*`` knob stops the replay with one line naming it, before any
-report is written.
+``BIDKV_ROLLOUT_KNOWN=1`` (every true length kept in the sampled futures) decides exactly as
+the clairvoyant oracle. A malformed ``BIDKV_ROLLOUT_*`` knob stops the replay with one line
+naming it, before any report is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -73,6 +76,57 @@ def test_sampled_lengths_stay_in_the_children(tmp_path: Path) -> None:
     assert oracle["conservation"]["exact_output_lengths"]
 
 
+def test_known_lengths_reproduce_the_clairvoyant_oracle(tmp_path: Path) -> None:
+    """BIDKV_ROLLOUT_KNOWN=1 keeps every true length in the sampled futures, so each option
+    costs twice its clairvoyant cost and the oracle decides exactly as the clairvoyant one."""
+    knobs = {"BIDKV_ROLLOUT_HORIZON": "5", "BIDKV_ROLLOUT_WIDTH": "2"}
+
+    def oracle(path: Path, **more: str) -> dict[str, Any]:
+        report = _replay(path, **knobs, **more)
+        return {arm["label"]: arm for arm in report["arms"]}[ORACLE]
+
+    clairvoyant = oracle(tmp_path / "c")
+    known = oracle(tmp_path / "k", BIDKV_ROLLOUT_SAMPLES="2", BIDKV_ROLLOUT_KNOWN="1")
+    figures = ("recomputed_tokens", "preemptions", "max_preemptions_one_request")
+    assert [known[f] for f in figures] == [clairvoyant[f] for f in figures]
+    assert known["ttft_s"] == clairvoyant["ttft_s"]
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_resample_keeps_exactly_the_known_lengths(
+    monkeypatch: pytest.MonkeyPatch, share: float
+) -> None:
+    """The requests picked as known keep their true lengths in every sampled future; the
+    others are redrawn (longer than what they produced); the pick is the share, seeded."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "replay"))
+    from headroom import _Rollout
+
+    from bidkv_ext.replay.trace import TraceRequest
+
+    monkeypatch.setattr(_Rollout, "samples", 2)
+    monkeypatch.setattr(_Rollout, "known", share)
+    n = 400
+    requests = [TraceRequest(index=i, arrival=float(i), input_length=300 + i % 50,
+                             output_length=1000 + 7 * i) for i in range(n)]
+    truth = [r.output_length for r in requests]
+    loop = SimpleNamespace(requests=requests, lengths=list(truth), tokens=[5] * n,
+                           finish=[math.nan] * (n - 1) + [3.0])
+    _Rollout.start(loop)  # type: ignore[arg-type]
+    known = _Rollout.known_ids
+    assert abs(len(known) - share * n) <= 0.1 * n
+    _Rollout.resample(123)
+    for i in range(n - 1):
+        if i in known:
+            assert loop.lengths[i] == truth[i]
+        else:
+            assert loop.lengths[i] > 5
+    redrawn = sum(loop.lengths[i] != truth[i] for i in range(n - 1) if i not in known)
+    assert redrawn >= 0.9 * (n - 1 - len(known))
+    assert loop.lengths[n - 1] == truth[n - 1]  # finished: untouched
+    _Rollout.start(loop)  # type: ignore[arg-type]
+    assert _Rollout.known_ids == known  # the same requests every time
+
+
 @pytest.mark.parametrize(
     ("objective", "chosen"),
     [("tax", "cheap-slow"), ("wait", "fast"), ("tax-no-later", "cheap-prompt")],
@@ -99,7 +153,9 @@ def test_each_objective_keeps_its_option_and_lcf_unless_strictly_better(
 @pytest.mark.parametrize(
     ("knob", "value", "expected"),
     [("BIDKV_ROLLOUT_OBJECTIVE", "cheapest", "one of tax, wait, tax-no-later"),
-     ("BIDKV_ROLLOUT_WIDTH", "four", "a whole number of candidates")],
+     ("BIDKV_ROLLOUT_WIDTH", "four", "a whole number of candidates"),
+     ("BIDKV_ROLLOUT_KNOWN", "1.5", "a share between 0 and 1"),
+     ("BIDKV_ROLLOUT_KNOWN", "nan", "a share between 0 and 1")],
 )
 def test_a_bad_knob_stops_with_one_line_naming_it(
     tmp_path: Path, knob: str, value: str, expected: str

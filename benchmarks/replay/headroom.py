@@ -44,7 +44,8 @@ The rules are scratch probes, defined below and loaded with ``--policy-class``; 
 in the bundle. Results go between the suite's markers in ``README.md`` (``headroom``,
 ``headroom-pc``, ``headroom-rollout``, ``headroom-rollout-pc``,
 ``headroom-rollout-mooncake``, ``headroom-anatomy``; a rollout with another
-objective or sampled lengths appends ``-<objective>`` and ``-sampled``).
+objective or sampled lengths appends ``-<objective>`` and ``-sampled``, and ``--known``
+``-known<share>``).
 """
 
 from __future__ import annotations
@@ -282,6 +283,16 @@ def _samples(text: str) -> int:
     return value
 
 
+KNOWN_SEED = 20261202  # which requests BIDKV_ROLLOUT_KNOWN keeps; fixed, so runs repeat
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
+        raise ValueError(text)
+    return value
+
+
 def _samples_arg(text: str) -> int:
     try:
         return _samples(text)
@@ -313,6 +324,11 @@ class _Rollout:
     # > 0: children do not see true output lengths; each option is played this many
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
     samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", _samples, "a whole number of futures >= 0")
+    # With samples > 0: the share of requests whose true output length the children keep
+    # (a fixed, seeded choice of requests). Between 0 (every length sampled) and 1 (the
+    # clairvoyant futures, sampled nowhere): how much a length predictor must know.
+    known = _env("BIDKV_ROLLOUT_KNOWN", "0", _share, "a share between 0 and 1")
+    known_ids: ClassVar[frozenset[int]] = frozenset()
     objective = _env("BIDKV_ROLLOUT_OBJECTIVE", "tax", _objective,
                      "one of " + ", ".join(OBJECTIVES))
     # A path: the parent appends one JSON line per decision (options, their costs, choice).
@@ -336,6 +352,9 @@ class _Rollout:
             for pool in cls.pools.values():
                 pool.sort()
             cls.everyone = sorted(r.output_length for r in loop.requests)
+            picker = random.Random(KNOWN_SEED)
+            cls.known_ids = frozenset(i for i in range(len(loop.requests))
+                                      if picker.random() < cls.known)
 
     @classmethod
     def resample(cls, seed: int) -> None:
@@ -348,6 +367,8 @@ class _Rollout:
         lengths, tokens = loop.lengths, loop.tokens
         for i, r in enumerate(loop.requests):
             if not math.isnan(loop.finish[i]):  # finished: its length no longer matters
+                continue
+            if i in cls.known_ids:  # the predictor knows this one: the true length stays
                 continue
             so_far = tokens[i]
             for pool in (cls.pools[_bin(r.input_length)], cls.everyone):
@@ -650,20 +671,26 @@ def main() -> int:
     parser.add_argument("--samples", type=_samples_arg, default=0,
                         help="rollout: hide true output lengths from the children and "
                              "average this many sampled futures per option (0: clairvoyant)")
+    parser.add_argument("--known", type=float, default=0.0,
+                        help="rollout with --samples: share of requests whose true output "
+                             "length the children keep (default 0)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="tax",
                         help="rollout: what the oracle minimises (recompute tax; the "
                              "seconds requests wait for their first token; or tax among "
                              "the options that wait no longer than LCF's)")
     args = parser.parse_args()
+    if not 0.0 <= args.known <= 1.0 or (args.known and not args.samples):
+        parser.error("--known takes a share between 0 and 1, and only with --samples")
     # Workers import this module afresh (as ``headroom``) and read these at import.
     os.environ["BIDKV_ROLLOUT_HORIZON"] = str(args.horizon)
     os.environ["BIDKV_ROLLOUT_WIDTH"] = str(args.width)
     os.environ["BIDKV_ROLLOUT_SAMPLES"] = str(args.samples)
     os.environ["BIDKV_ROLLOUT_OBJECTIVE"] = args.objective
+    os.environ["BIDKV_ROLLOUT_KNOWN"] = str(args.known)
     rollout = args.suite.startswith("rollout")
     sampled = rollout and args.samples > 0
     variant = (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
-        "-sampled" if sampled else "")
+        "-sampled" if sampled else "") + (f"-known{args.known:g}" if args.known else "")
     tag = args.suite + variant
     starts = args.starts or list(ALL_SLICE_STARTS if args.suite in TEN_SLICE_SUITES
                                  else SLICE_STARTS)
@@ -689,7 +716,8 @@ def main() -> int:
         oracle = (f"; the oracle minimises {args.objective}, horizon {args.horizon:g} s, "
                   f"width {args.width}, "
                   + (f"{args.samples} sampled futures per option" if sampled
-                     else "true output lengths"))
+                     else "true output lengths")
+                  + (f", {args.known:.0%} of the lengths known" if args.known else ""))
     knobs = "; ".join(f"{c.name}: `{c.trace}` `{' '.join(c.args)}`" for c in cells)
     shared = f"`{' '.join(common)}` plus " if common else ""
     text = (table + f"\n\nSlices: 300 s windows starting at "
