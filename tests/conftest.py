@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +45,16 @@ def _hypothesis_draws_independent_of_test_order() -> None:
 
 
 _hypothesis_draws_independent_of_test_order()
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """Run the test under umask 022 (what new files' modes are checked against)."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture(scope="session")

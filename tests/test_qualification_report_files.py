@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,6 @@ def _record() -> dict[str, object]:
     record = build_record(load_profile(str(PROFILE_DIR / "cpu-replay.toml")), [], 3)
     record["gate"] = {"passed": True}
     return record
-
-
-@pytest.fixture
-def umask_022() -> Iterator[None]:
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _mode(path: Path) -> int:

@@ -16,7 +16,6 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,15 +48,6 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-@pytest.fixture
-def umask_022() -> Iterator[None]:
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 # --- 1. Mooncake timestamps and lengths ------------------------------------------------
