@@ -13,11 +13,13 @@ section 8); ``schedule`` itself is the installed method rewritten by
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import vllm
 from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched import scheduler as _sched_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -69,6 +71,61 @@ def _policy_spec(vllm_config: VllmConfig, explicit: object) -> object:
     if isinstance(additional, dict):
         return additional.get(ADDITIONAL_CONFIG_KEY)
     return None
+
+
+def _block_counts(groups: Sequence[Sequence[KVCacheBlock]]) -> tuple[int, int, int]:
+    """(exclusive, exclusive and cached, total) blocks of one request, null block skipped."""
+    exclusive = cached = total = 0
+    for group in groups:
+        for block in group:
+            if block.is_null:
+                continue
+            total += 1
+            if block.ref_cnt == 1:
+                exclusive += 1
+                if block.block_hash is not None:
+                    cached += 1
+    return exclusive, cached, total
+
+
+def _page_counts(
+    groups: Sequence[Sequence[KVCacheBlock]], per_page: int, held_on_page: dict[int, int],
+) -> dict[int, int]:
+    """One request's exclusive blocks per page; adds each of its blocks to ``held_on_page``."""
+    mine: dict[int, int] = {}
+    for group in groups:
+        for block in group:
+            if block.is_null:
+                continue
+            page = block.block_id // per_page
+            held_on_page[page] = held_on_page.get(page, 0) + 1
+            if block.ref_cnt == 1:
+                mine[page] = mine.get(page, 0) + 1
+    return mine
+
+
+def _candidate_facts(
+    manager: KVCacheManager, running: Sequence[Request], per_page: int,
+) -> dict[str, CandidateFacts]:
+    """Block counts of every running request, and with ``per_page`` its released pages."""
+    counts = {r.request_id: _block_counts(manager.get_blocks(r.request_id).blocks)
+              for r in running}
+    if not per_page:
+        return {rid: CandidateFacts(*c) for rid, c in counts.items()}
+    # The second pass: per page, how many times running requests hold a block on it, and
+    # per candidate its exclusive blocks on it. A page is released when the two counts are
+    # equal: a block held twice (shared) is nobody's exclusive block, so it keeps its page.
+    held_on_page: dict[int, int] = {0: 1}  # block 0, vLLM's null block, is always held
+    exclusive_on_page = {
+        r.request_id: _page_counts(manager.get_blocks(r.request_id).blocks, per_page,
+                                   held_on_page)
+        for r in running
+    }
+    return {
+        rid: CandidateFacts(*c, sum(1 for page, n in exclusive_on_page[rid].items()
+                                    if held_on_page[page] == n))
+        for rid, c in counts.items()
+    }
 
 
 class PolicySchedulerMixin:
@@ -160,50 +217,9 @@ class PolicySchedulerMixin:
         """
         from kvcached_provider.signals import current_page_model
 
-        manager = self.kv_cache_manager
-        block_size = self.block_size
         model = current_page_model()
-        per_page = model.blocks_per_page if model is not None else 0
-        counts: dict[str, tuple[int, int, int]] = {}
-        # Page model only: distinct request-held blocks per page, and per candidate the
-        # exclusive blocks per page.
-        held_on_page: dict[int, int] = {}
-        seen: set[int] = set()
-        exclusive_on_page: dict[str, dict[int, int]] = {}
-        for r in self.running:
-            exclusive = cached = total = 0
-            mine: dict[int, int] = {}
-            for group in manager.get_blocks(r.request_id).blocks:
-                for block in group:
-                    if block.is_null:
-                        continue
-                    total += 1
-                    if block.ref_cnt == 1:
-                        exclusive += 1
-                        if block.block_hash is not None:
-                            cached += 1
-                    if per_page:
-                        block_id = block.block_id
-                        page = block_id // per_page
-                        if block.ref_cnt == 1:
-                            mine[page] = mine.get(page, 0) + 1
-                        if block_id not in seen:
-                            seen.add(block_id)
-                            held_on_page[page] = held_on_page.get(page, 0) + 1
-            counts[r.request_id] = (exclusive, cached, total)
-            exclusive_on_page[r.request_id] = mine
-        facts: dict[str, CandidateFacts] = {}
-        if per_page:
-            null_page = 0  # block 0, vLLM's null block, is always held
-            held_on_page[null_page] = held_on_page.get(null_page, 0) + 1
-            for rid, (exclusive, cached, total) in counts.items():
-                released = sum(
-                    1 for page, n in exclusive_on_page[rid].items() if held_on_page[page] == n
-                )
-                facts[rid] = CandidateFacts(exclusive, cached, total, released)
-        else:
-            for rid, (exclusive, cached, total) in counts.items():
-                facts[rid] = CandidateFacts(exclusive, cached, total)
+        facts = _candidate_facts(self.kv_cache_manager, self.running,
+                                 model.blocks_per_page if model is not None else 0)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
         # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
         # near the end of a request would otherwise count a block it will not get).
@@ -211,9 +227,9 @@ class PolicySchedulerMixin:
             request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens,
             self.max_model_len,
         )
-        required = -(-tokens // block_size) - held
-        free = manager.block_pool.get_num_free_blocks()
-        return PreemptionContextFacts(block_size, max(0, required - free), facts)
+        required = -(-tokens // self.block_size) - held
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        return PreemptionContextFacts(self.block_size, max(0, required - free), facts)
 
     def shutdown(self) -> None:
         self.controller.emit_effective()
