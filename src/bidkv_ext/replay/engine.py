@@ -222,8 +222,27 @@ def run_arm(
     from vllm.v1.outputs import ModelRunnerOutput
 
     _check_requests(requests, settings)
-    ids = [str(r.index) for r in requests]
     spec = arm.factory(_true_output(requests)) if policy is None else _built_spec(policy)
+    scheduler, usable_blocks = _build_scheduler(offline, arm, settings, spec)
+    elastic = _elastic_pool(scheduler, requests, settings)
+    built = scheduler.controller.policy
+    observer = built if isinstance(built, ReplayObserver) else None
+    # The settings the arm's policy actually ran with (read before a fault could drop it).
+    config = getattr(built, "config", None)
+    policy_config = config.model_dump() if isinstance(config, BidKVConfig) else None
+    with _simulated_clock(sched_module) as clock, _published(elastic, settings):
+        started = time.perf_counter()
+        state = _Loop(requests, [str(r.index) for r in requests], scheduler, offline,
+                      PromptFactory(settings.seed), step_model, settings, clock, elastic)
+        _observed_run(state, observer, ModelRunnerOutput, progress)
+        wall = time.perf_counter() - started
+    return state.result(arm, wall, usable_blocks, policy_config)
+
+
+def _build_scheduler(
+    offline: ModuleType, arm: Arm, settings: ReplaySettings, spec: object
+) -> tuple[Any, int]:
+    """The arm's policy scheduler and the KV blocks it can use (all but vLLM's null block)."""
     try:
         vllm_config, kv_cache_config = _vllm_config(offline, arm, settings)
         scheduler = offline.build_scheduler(
@@ -233,44 +252,7 @@ def run_arm(
         # The arm's own code (its from_vllm_config) runs here and may raise anything.
         raise ReplayError(f"arm {arm.label!r}: the engine cannot be built: "
                           f"{error_line(exc)}") from None
-    prompts = PromptFactory(settings.seed)
-    elastic = _elastic_pool(scheduler, requests, settings)
-    policy = scheduler.controller.policy
-    observer = policy if isinstance(policy, ReplayObserver) else None
-    # The settings the arm's policy actually ran with (read before a fault could drop it).
-    config = getattr(policy, "config", None)
-    policy_config = config.model_dump() if isinstance(config, BidKVConfig) else None
-    with _simulated_clock(sched_module) as clock, _published(elastic, settings):
-        started = time.perf_counter()
-        state = _Loop(requests, ids, scheduler, offline, prompts, step_model, settings, clock,
-                      elastic)
-        _observed_run(state, observer, ModelRunnerOutput, progress)
-        wall = time.perf_counter() - started
-    capacity = None
-    if elastic is not None:
-        capacity = elastic.finish()
-        capacity["signals_published"] = settings.capacity_signals
-    usable = kv_cache_config.num_blocks - 1  # one block is vLLM's null block
-    return ArmRun(
-        label=arm.label,
-        kind=arm.kind,
-        outcomes=state.outcomes(),
-        steps=state.steps,
-        computed_tokens=state.computed,
-        recomputed_tokens=state.recomputed,
-        recompute_upper_bound=state.upper_bound,
-        preemption_events=state.preemptions,
-        pressure_steps=state.pressure_steps,
-        controller=dict(scheduler.controller.export_stats()),
-        free_blocks_end=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-        usable_blocks=usable,
-        wall_seconds=wall,
-        capacity=capacity,
-        free_block_steps=state.free_block_steps,
-        return_steps=state.return_steps,
-        returns=state.returns,
-        policy_config=policy_config,
-    )
+    return scheduler, kv_cache_config.num_blocks - 1
 
 
 def _check_requests(requests: Sequence[TraceRequest], settings: ReplaySettings) -> None:
@@ -631,6 +613,35 @@ class _Loop:
             self.preempted_step[i] = self.steps
             self.upper_bound += self.position[i]
             self.position[i] = 0
+
+    def result(
+        self, arm: Arm, wall: float, usable_blocks: int, policy_config: dict[str, Any] | None
+    ) -> ArmRun:
+        """The arm's record; finishes the elastic pool, so call it once, after the run."""
+        capacity = None
+        if self.elastic is not None:
+            capacity = self.elastic.finish()
+            capacity["signals_published"] = self.settings.capacity_signals
+        return ArmRun(
+            label=arm.label,
+            kind=arm.kind,
+            outcomes=self.outcomes(),
+            steps=self.steps,
+            computed_tokens=self.computed,
+            recomputed_tokens=self.recomputed,
+            recompute_upper_bound=self.upper_bound,
+            preemption_events=self.preemptions,
+            pressure_steps=self.pressure_steps,
+            controller=dict(self.scheduler.controller.export_stats()),
+            free_blocks_end=self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            usable_blocks=usable_blocks,
+            wall_seconds=wall,
+            capacity=capacity,
+            free_block_steps=self.free_block_steps,
+            return_steps=self.return_steps,
+            returns=self.returns,
+            policy_config=policy_config,
+        )
 
     def outcomes(self) -> tuple[RequestOutcome, ...]:
         return tuple(
