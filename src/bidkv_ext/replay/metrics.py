@@ -58,15 +58,7 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
     start = min((o.arrival for o in run.outcomes), default=0.0)
     end = max((o.finish for o in done), default=start)
     makespan = end - start
-    good = sum(
-        1
-        for o in done
-        if o.first_token - o.arrival <= SLO_TTFT_S
-        and (
-            o.output_tokens < 2
-            or (o.finish - o.first_token) / (o.output_tokens - 1) <= SLO_TPOT_S
-        )
-    )
+    good = sum(1 for o in done if _meets_slo(o))
     metrics: dict[str, object] = {
         "label": run.label,
         "kind": run.kind,
@@ -101,15 +93,25 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
         "slo_attainment": _ratio(good, len(done)),
         "controller": dict(run.controller),
         "policy_config": dict(run.policy_config) if run.policy_config is not None else None,
-        "conservation": {
-            "all_completed_once": all(o.completions == 1 for o in run.outcomes),
-            "exact_output_lengths": all(
-                o.output_tokens == o.expected_output for o in run.outcomes
-            ),
-            "free_blocks_end": run.free_blocks_end,
-            "usable_blocks": run.usable_blocks,
-        },
+        "conservation": _conservation(run),
     }
     if run.capacity is not None:
         metrics["capacity"] = dict(run.capacity)
     return metrics
+
+
+def _meets_slo(o: RequestOutcome) -> bool:
+    """A completed request within the TTFT SLO and, past its first token, the TPOT SLO."""
+    return o.first_token - o.arrival <= SLO_TTFT_S and (
+        o.output_tokens < 2 or (o.finish - o.first_token) / (o.output_tokens - 1) <= SLO_TPOT_S
+    )
+
+
+def _conservation(run: ArmRun) -> dict[str, object]:
+    """Conservation checks: each request completed once, at its exact length; free blocks."""
+    return {
+        "all_completed_once": all(o.completions == 1 for o in run.outcomes),
+        "exact_output_lengths": all(o.output_tokens == o.expected_output for o in run.outcomes),
+        "free_blocks_end": run.free_blocks_end,
+        "usable_blocks": run.usable_blocks,
+    }
