@@ -438,24 +438,50 @@ def plugin_names(manifest: Manifest) -> list[str]:
 def plan(
     bundle: InstalledBundle, configuration: Mapping[str, Any], *, enabled: bool
 ) -> dict[str, Any]:
+    """The provider plan: one non-mutating action, the generated launch config, warnings.
+
+    A bundle that cannot activate gets an ``inspect_only`` plan that says why.
+    """
     manifest = bundle.manifest
     blocker = manifest.activation_blocker
     if blocker is not None:
-        return {
-            "extension_id": manifest.extension_id,
-            "provider": "vllm",
-            "actions": [
-                {
-                    "operation": "inspect_only",
-                    "target": "vllm",
-                    "lifecycle_owner": manifest.lifecycle_owner,
-                    "mutating": False,
-                    "details": {"enabled": False},
-                }
-            ],
-            "generated_config": {},
-            "warnings": [blocker],
-        }
+        return _plan_document(manifest, "inspect_only", False, {}, [blocker])
+    generated = _generated_config(manifest, configuration)
+    warnings = []
+    if manifest.kind == "scheduler_policy" and manifest.protocols:
+        warnings.append(_POLICY_WARNING)
+    result = _plan_document(manifest, "configure_launch", enabled, generated, warnings)
+    if any(action["mutating"] for action in result["actions"]):
+        raise ValueError("provider plan contains a forbidden implicit mutation")
+    return result
+
+
+def _plan_document(
+    manifest: Manifest,
+    operation: str,
+    enabled: bool,
+    generated: dict[str, Any],
+    warnings: list[str],
+) -> dict[str, Any]:
+    return {
+        "extension_id": manifest.extension_id,
+        "provider": "vllm",
+        "actions": [
+            {
+                "operation": operation,
+                "target": "vllm",
+                "lifecycle_owner": manifest.lifecycle_owner,
+                "mutating": False,
+                "details": {"enabled": enabled},
+            }
+        ],
+        "generated_config": generated,
+        "warnings": warnings,
+    }
+
+
+def _generated_config(manifest: Manifest, configuration: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``run`` applies to the launch; optional parts appear only when non-empty."""
     json_options, flags = _launch_options(configuration)
     additional = {
         k: v for k, v in manifest.additional_config.items() if k != RESERVED_QUALIFICATION_KEY
@@ -477,27 +503,7 @@ def plan(
     native = native_manifest(manifest)
     if native is not None:
         generated["native_extension_manifest"] = native
-    warnings = []
-    if manifest.kind == "scheduler_policy" and manifest.protocols:
-        warnings.append(_POLICY_WARNING)
-    result: dict[str, Any] = {
-        "extension_id": manifest.extension_id,
-        "provider": "vllm",
-        "actions": [
-            {
-                "operation": "configure_launch",
-                "target": "vllm",
-                "lifecycle_owner": manifest.lifecycle_owner,
-                "mutating": False,
-                "details": {"enabled": enabled},
-            }
-        ],
-        "generated_config": generated,
-        "warnings": warnings,
-    }
-    if any(action["mutating"] for action in result["actions"]):
-        raise ValueError("provider plan contains a forbidden implicit mutation")
-    return result
+    return generated
 
 
 def render(plan_document: Mapping[str, Any]) -> list[dict[str, str]]:
