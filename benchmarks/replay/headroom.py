@@ -653,7 +653,7 @@ def _starts(text: str) -> list[int]:
             f"expected comma-separated whole seconds such as 0,1400, got {text!r}") from None
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--traces", type=Path, default=ROOT.parents[1].parent / "shared" / "traces")
@@ -678,19 +678,54 @@ def main() -> int:
                         help="rollout: what the oracle minimises (recompute tax; the "
                              "seconds requests wait for their first token; or tax among "
                              "the options that wait no longer than LCF's)")
-    args = parser.parse_args()
-    if not 0.0 <= args.known <= 1.0 or (args.known and not args.samples):
-        parser.error("--known takes a share between 0 and 1, and only with --samples")
+    return parser
+
+
+def _export_rollout_knobs(args: argparse.Namespace) -> None:
     # Workers import this module afresh (as ``headroom``) and read these at import.
     os.environ["BIDKV_ROLLOUT_HORIZON"] = str(args.horizon)
     os.environ["BIDKV_ROLLOUT_WIDTH"] = str(args.width)
     os.environ["BIDKV_ROLLOUT_SAMPLES"] = str(args.samples)
     os.environ["BIDKV_ROLLOUT_OBJECTIVE"] = args.objective
     os.environ["BIDKV_ROLLOUT_KNOWN"] = str(args.known)
+
+
+def _variant(args: argparse.Namespace) -> str:
+    """The suffix naming a rollout variant in report folders and README markers."""
     rollout = args.suite.startswith("rollout")
-    sampled = rollout and args.samples > 0
-    variant = (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
-        "-sampled" if sampled else "") + (f"-known{args.known:g}" if args.known else "")
+    return (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
+        "-sampled" if rollout and args.samples > 0 else "") + (
+        f"-known{args.known:g}" if args.known else "")
+
+
+def _suite_table(suite: str, results: dict[str, list[Arms]], starts: Sequence[int]) -> str:
+    if suite == "nopc":
+        return _table(results)
+    if suite == "rollout":
+        return _rollout_table(results, starts)
+    if suite == "anatomy":
+        return _anatomy_table(results)
+    return _best_peer_table(results)
+
+
+def _oracle_line(args: argparse.Namespace) -> str:
+    """What the rollout oracle ran with, for the section's footer ("" for other suites)."""
+    if not args.suite.startswith("rollout"):
+        return ""
+    return (f"; the oracle minimises {args.objective}, horizon {args.horizon:g} s, "
+            f"width {args.width}, "
+            + (f"{args.samples} sampled futures per option" if args.samples > 0
+               else "true output lengths")
+            + (f", {args.known:.0%} of the lengths known" if args.known else ""))
+
+
+def main() -> int:
+    parser = _parser()
+    args = parser.parse_args()
+    if not 0.0 <= args.known <= 1.0 or (args.known and not args.samples):
+        parser.error("--known takes a share between 0 and 1, and only with --samples")
+    _export_rollout_knobs(args)
+    variant = _variant(args)
     tag = args.suite + variant
     starts = args.starts or list(ALL_SLICE_STARTS if args.suite in TEN_SLICE_SUITES
                                  else SLICE_STARTS)
@@ -703,26 +738,11 @@ def main() -> int:
                     for start in starts]
         for cell in cells
     })
-    if args.suite == "nopc":
-        table = _table(results)
-    elif args.suite == "rollout":
-        table = _rollout_table(results, starts)
-    elif args.suite == "anatomy":
-        table = _anatomy_table(results)
-    else:
-        table = _best_peer_table(results)
-    oracle = ""
-    if rollout:
-        oracle = (f"; the oracle minimises {args.objective}, horizon {args.horizon:g} s, "
-                  f"width {args.width}, "
-                  + (f"{args.samples} sampled futures per option" if sampled
-                     else "true output lengths")
-                  + (f", {args.known:.0%} of the lengths known" if args.known else ""))
     knobs = "; ".join(f"{c.name}: `{c.trace}` `{' '.join(c.args)}`" for c in cells)
     shared = f"`{' '.join(common)}` plus " if common else ""
-    text = (table + f"\n\nSlices: 300 s windows starting at "
+    text = (_suite_table(args.suite, results, starts) + f"\n\nSlices: 300 s windows starting at "
             f"{', '.join(map(str, starts))} s; knobs {shared}the cell's ({knobs})"
-            f"{oracle}.\n" + took_line(started, saved))
+            f"{_oracle_line(args)}.\n" + took_line(started, saved))
     print(text)
     if not args.no_write:
         write_section(marker + variant, text)
