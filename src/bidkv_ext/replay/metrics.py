@@ -44,10 +44,15 @@ def _ratio(num: float, den: float) -> float:
 def _latencies(done: Sequence[RequestOutcome]) -> tuple[list[float], list[float], list[float]]:
     ttft = [o.first_token - o.arrival for o in done]
     e2e = [o.finish - o.arrival for o in done]
-    tpot = [
-        (o.finish - o.first_token) / (o.output_tokens - 1) for o in done if o.output_tokens >= 2
-    ]
+    tpot = [t for o in done if (t := _tpot(o)) is not None]
     return ttft, tpot, e2e
+
+
+def _tpot(o: RequestOutcome) -> float | None:
+    """Seconds per output token after the first; ``None`` below two output tokens."""
+    if o.output_tokens < 2:
+        return None
+    return (o.finish - o.first_token) / (o.output_tokens - 1)
 
 
 def arm_metrics(run: ArmRun) -> dict[str, object]:
@@ -102,9 +107,8 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
 
 def _meets_slo(o: RequestOutcome) -> bool:
     """A completed request within the TTFT SLO and, past its first token, the TPOT SLO."""
-    return o.first_token - o.arrival <= SLO_TTFT_S and (
-        o.output_tokens < 2 or (o.finish - o.first_token) / (o.output_tokens - 1) <= SLO_TPOT_S
-    )
+    tpot = _tpot(o)
+    return o.first_token - o.arrival <= SLO_TTFT_S and (tpot is None or tpot <= SLO_TPOT_S)
 
 
 def _conservation(run: ArmRun) -> dict[str, object]:
