@@ -108,8 +108,8 @@ def _candidate_facts(
     manager: KVCacheManager, running: Sequence[Request], per_page: int,
 ) -> dict[str, CandidateFacts]:
     """Block counts of every running request, and with ``per_page`` its released pages."""
-    counts = {r.request_id: _block_counts(manager.get_blocks(r.request_id).blocks)
-              for r in running}
+    held = {r.request_id: manager.get_blocks(r.request_id).blocks for r in running}
+    counts = {rid: _block_counts(groups) for rid, groups in held.items()}
     if not per_page:
         return {rid: CandidateFacts(*c) for rid, c in counts.items()}
     # The second pass: per page, how many times running requests hold a block on it, and
@@ -117,9 +117,7 @@ def _candidate_facts(
     # equal: a block held twice (shared) is nobody's exclusive block, so it keeps its page.
     held_on_page: dict[int, int] = {0: 1}  # block 0, vLLM's null block, is always held
     exclusive_on_page = {
-        r.request_id: _page_counts(manager.get_blocks(r.request_id).blocks, per_page,
-                                   held_on_page)
-        for r in running
+        rid: _page_counts(groups, per_page, held_on_page) for rid, groups in held.items()
     }
     return {
         rid: CandidateFacts(*c, sum(1 for page, n in exclusive_on_page[rid].items()
