@@ -211,6 +211,46 @@ def test_from_vllm_config_reads_additional_config_env_and_engine(
         BidkvPreemptionPolicy.from_vllm_config(Vllm())
 
 
+@pytest.mark.parametrize(
+    ("source", "name", "raw"),
+    [
+        ("env", "BIDKV_UTILITY_BLOCK_SIZE", "abc"),
+        ("env", "BIDKV_UTILITY_PREFIX_CACHING", "maybe"),
+        ("section", "block_size", "xyz"),
+        ("section", "prefix_caching", -1),
+    ],
+)
+def test_engine_facts_do_not_hide_a_malformed_setting(
+    monkeypatch: pytest.MonkeyPatch, source: str, name: str, raw: object
+) -> None:
+    """The engine's block size and prefix-caching flag replace the configured ones, but a
+    malformed configured value still fails start-up with a line naming it: an operator's
+    typo must not pass silently because a real engine happens to supply the fact."""
+
+    class Cache:
+        block_size = 16
+        enable_prefix_caching = True
+
+    class Vllm:
+        additional_config: ClassVar[dict[str, Any]] = {}
+        cache_config = Cache()
+
+    monkeypatch.setenv("BIDKV_UTILITY_ENABLE", "1")
+    if source == "env":
+        monkeypatch.setenv(name, str(raw))
+    else:
+        Vllm.additional_config = {"bidkv": {name: raw}}
+    with pytest.raises(ConfigError, match=name) as caught:
+        BidkvPreemptionPolicy.from_vllm_config(Vllm())
+    assert "\n" not in str(caught.value)
+    # A well-formed value is replaced by the engine's, as README says.
+    monkeypatch.setenv("BIDKV_UTILITY_BLOCK_SIZE", "32")
+    monkeypatch.setenv("BIDKV_UTILITY_PREFIX_CACHING", "0")
+    Vllm.additional_config = {}
+    policy = BidkvPreemptionPolicy.from_vllm_config(Vllm())
+    assert (policy.config.block_size, policy.config.prefix_caching) == (16, True)
+
+
 def test_from_vllm_config_ignores_values_that_are_not_engine_facts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -180,6 +180,11 @@ class BidKVConfig(BaseModel):
                     )
                 values[key] = value
                 origin[key] = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]"
+        shadowed = {key: values[key] for key in overrides if key in values}
+        if shadowed:
+            # An engine fact replaces a configured value, but a malformed one is still the
+            # operator's mistake: refuse it rather than let the override hide it.
+            cls.validated(shadowed, origin)
         values.update(overrides)
         config = cls.validated(values, origin)
         if config.enabled and environ is not None and RESEARCH_STRATEGY_ENV in environ:
