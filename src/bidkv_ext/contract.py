@@ -5,6 +5,14 @@ module is a faithful local definition: the same names, field order, frozen and s
 types, and the same runtime-checkable protocol. Policies written against these types run
 unchanged on a vLLM-HUST host, because they only use attribute access.
 
+Where the host module is there (a vLLM-HUST install) and vLLM is already loaded when this
+module is imported, as in every engine process, the contract's names here *are* the host's
+(``PreemptionCandidate``, ``PreemptionContext``, ``PreemptionPolicy``,
+``PreemptionPolicyStats``, ``PreemptionPolicyController`` and the API version), so
+``isinstance`` against them holds for the host's own snapshots. That happens only when the
+host module declares API major version 1 and the candidate and context fields in the
+contract's order; otherwise a warning names the difference and the local definitions stay.
+
 Extra facts (not part of the contract)
 --------------------------------------
 A host *may* attach optional facts to a candidate; the vLLM-HUST host attaches none, so a
@@ -32,10 +40,16 @@ untouched. The fields are:
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from operator import attrgetter, indexOf
+from types import ModuleType
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
     from bidkv_ext.controller import PreemptionPolicyController
@@ -143,10 +157,77 @@ def candidate_index(candidates: Sequence[object], request_id: object) -> int:
         return -1
 
 
+HOST_MODULE = "vllm.v1.core.sched.preemption"
+# What the host module shares with this one; the facts types and candidate_index are ours.
+_HOST_NAMES = (
+    "PREEMPTION_POLICY_API_VERSION",
+    "PreemptionCandidate",
+    "PreemptionContext",
+    "PreemptionPolicy",
+    "PreemptionPolicyStats",
+    "PreemptionPolicyController",
+)
+
+
+def _field_names(cls: object) -> list[str] | None:
+    return [f.name for f in fields(cls)] if isinstance(cls, type) and is_dataclass(cls) else None
+
+
+def _host_mismatch(host: ModuleType) -> str | None:
+    """Why the host module cannot stand in for this one, or ``None`` when it can."""
+    missing = [name for name in _HOST_NAMES if not hasattr(host, name)]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    version = str(host.PREEMPTION_POLICY_API_VERSION)
+    try:
+        if Version(version).major != 1:
+            return f"its API version is {version!r}, expected 1.x"
+    except InvalidVersion:
+        return f"its API version {version!r} is not a version"
+    for ours in (PreemptionCandidate, PreemptionContext):
+        theirs = _field_names(getattr(host, ours.__name__))
+        expected = _field_names(ours)
+        if theirs != expected:
+            return (f"its {ours.__name__} fields are {theirs}, expected {expected} "
+                    "in this order")
+    return None
+
+
+def _host_contract() -> ModuleType | None:
+    """The vLLM-HUST host's contract module, when vLLM is loaded and has a usable one.
+
+    Looked up only once vLLM is imported: importing vLLM merely to look costs seconds,
+    and an engine process has always loaded it before it loads a policy.
+    """
+    if "vllm" not in sys.modules:
+        return None
+    try:
+        host = importlib.import_module(HOST_MODULE)
+    except ImportError:  # stock vLLM: the local definitions are the contract
+        return None
+    why = _host_mismatch(host)
+    if why is not None:
+        logging.getLogger(__name__).warning(
+            "%s is not used as the preemption contract: %s; bidkv_ext's own definitions "
+            "stay in force", HOST_MODULE, why)
+        return None
+    return host
+
+
+_HOST = _host_contract()
+if _HOST is not None:
+    # Rebinding the module's names at run time keeps the static types the local ones,
+    # which the host's match field for field (checked above).
+    globals().update({name: getattr(_HOST, name) for name in _HOST_NAMES
+                      if name != "PreemptionPolicyController"})
+
+
 def __getattr__(name: str) -> object:
     # The host module exports its controller beside the types; ours lives in
     # bidkv_ext.controller, which imports this module, so it is resolved on first access.
     if name == "PreemptionPolicyController":
+        if _HOST is not None:
+            return _HOST.PreemptionPolicyController
         from bidkv_ext.controller import PreemptionPolicyController
 
         return PreemptionPolicyController
