@@ -648,6 +648,9 @@ def test_a_manifest_number_json_reads_is_accepted_as_the_official_manager_does(
      "editable direct_url.json is invalid"),
     ({"direct_url.json": b"\xff\xfe{"}, "editable direct_url.json is invalid"),
     ({"RECORD": b"\xff\n"}, "distribution RECORD cannot be read"),
+    # Rows importlib cannot unpack (it raises TypeError): a blank one, one of four columns.
+    ({"RECORD": b"x.py,,\n\n"}, "distribution RECORD cannot be read"),
+    ({"RECORD": b"a,b,c,d\n"}, "distribution RECORD cannot be read"),
     ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
     ({"METADATA": b"Metadata-Version: 2.1\nVersion: 1.0\n"}, "has no distribution name"),
     ({"METADATA": b"Metadata-Version: 2.1\nName: \nVersion: 1.0\n"}, "has no distribution name"),

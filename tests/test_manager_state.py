@@ -119,6 +119,42 @@ def test_configure_keeps_enabled_and_disable_keeps_configuration(
     assert f"extension configuration file {settings} is not valid UTF-8 JSON" in err
 
 
+def test_configure_refuses_nesting_the_state_file_cannot_hold(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """JSON's reader follows nesting that the state file's indenting writer cannot: such a
+    configuration file is refused in one line naming it, and the stored state is kept as
+    it was (it used to end in "internal error: RecursionError")."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    settings = tmp_path / "deep.json"
+    argv = ["extension", "configure", "org.test.a", "--file", str(settings)]
+
+    def attempt(depth: int) -> tuple[int, str]:
+        settings.write_text('{"x": ' + "[" * depth + "]" * depth + "}")
+        code, _, err = invoke(argv, capsys)
+        return code, err
+
+    # The deepest nesting the command can read here (it depends on the stack in use).
+    readable, unreadable = 1, sys.getrecursionlimit() + 1
+    while unreadable - readable > 1:
+        middle = (readable + unreadable) // 2
+        _, err = attempt(middle)
+        if "is not valid UTF-8 JSON" in err:
+            unreadable = middle
+        else:
+            readable = middle
+    before = config.read_bytes()  # shallower probes were stored: they fit
+    code, err = attempt(readable)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: extension configuration file {settings} is nested too deeply "
+        "to store"
+    )
+    assert config.read_bytes() == before
+    assert sorted(p.name for p in config.parent.iterdir()) == sorted(
+        [config.name, config.name + ".lock"])
+
+
 def test_forget_rules(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = invoke(["extension", "forget", "org.test.a"], capsys)
     assert (code, err.splitlines()[-1]) == (

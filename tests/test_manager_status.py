@@ -822,6 +822,60 @@ def _fake_host(site: Path, *, contract: bool) -> None:
     (info / "RECORD").write_text(f"{listed},,\n")
 
 
+@pytest.mark.parametrize("record", [b"fakehost/__init__.py,,\n\n", b"a,b,c,d\n"],
+                         ids=["blank-row", "four-columns"])
+def test_an_unreadable_host_record_is_one_line_naming_the_host(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], record: bytes
+) -> None:
+    """A host RECORD Python cannot read (a blank row or one of four columns raise
+    TypeError inside importlib) leaves the protocol undetectable: ``status`` reports the
+    bundle incompatible with that reason, and ``run`` refuses in one line naming the host,
+    not with an internal error."""
+    document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
+    install(site, {"org.test.p": document})
+    _fake_host(site, contract=True)
+    (site / "fakehost-9.1.dist-info" / "RECORD").write_bytes(record)
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": {}}})
+    shown = status("org.test.p", capsys)
+    assert "incompatible" in shown["states"]
+    assert "host distribution 'fakehost' RECORD cannot be read" in shown["evidence"][0]
+    for argv in (["run", "--dry-run", "--", "true"], ["run", "--", "true"]):
+        code, _, err = invoke(argv, capsys)
+        assert code == 2, (argv, err)
+        last = err.splitlines()[-1]
+        assert "host distribution 'fakehost' RECORD cannot be read" in last, err
+        assert "internal error" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("environment", "named"),
+    [
+        ({"A=B": "x"}, "environment variable name 'A=B' cannot be exported"),
+        ({"": "x"}, "environment variable name '' cannot be exported"),
+        ({"A\0": "x"}, "environment variable name 'A\\x00' cannot be exported"),
+        ({"A": "x\0y"}, "environment variable 'A' cannot be exported: its value holds a NUL"),
+    ],
+)
+def test_an_environment_no_process_can_hold_is_refused_before_launch(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    environment: dict[str, str], named: str,
+) -> None:
+    """Manifest 0.2 takes any string as an activation variable, but a name that is empty
+    or holds '=' or NUL, or a value holding NUL, cannot reach a process: ``status``, a dry
+    run and ``run`` refuse it naming the variable (it used to pass every check and fail at
+    exec with "embedded null byte" or "illegal environment variable name")."""
+    document = _with(BASE)
+    document["activation"]["environment"] = environment
+    install(site, {"org.test.p": document})
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "incompatible" in shown["states"] and named in shown["evidence"][0]
+    for argv in (["run", "--dry-run", "--", "true"], ["run", "--", "true"]):
+        code, _, err = invoke(argv, capsys)
+        assert code == 2, (argv, err)
+        assert named in err.splitlines()[-1], (argv, err)
+
+
 @pytest.mark.parametrize(
     ("contract", "declared", "state", "line"),
     [

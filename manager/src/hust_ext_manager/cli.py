@@ -252,7 +252,14 @@ def _configure(bundle_id: str, file: str) -> None:
             ExtensionState(enabled=state.is_enabled(bundle_id), configuration=configuration),
         )
 
-    mutate_state(change)
+    try:
+        mutate_state(change)
+    except RecursionError:
+        # JSON's reader takes nesting its indenting writer cannot: refused before the state
+        # file is touched (the writer serialises before it creates its temporary file).
+        raise ValueError(
+            f"extension configuration file {file} is nested too deeply to store"
+        ) from None
     print(f"configured {bundle_id}")
 
 

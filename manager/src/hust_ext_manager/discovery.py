@@ -106,7 +106,8 @@ def _recorded(bundle_id: str, dist: Distribution) -> set[PurePosixPath]:
     """The files the distribution's RECORD lists."""
     try:
         return {PurePosixPath(str(f)) for f in (dist.files or ())}
-    except (OSError, ValueError) as error:  # an undecodable or malformed RECORD
+    # Undecodable (OSError/ValueError), or a row of 0 or 4+ columns (TypeError).
+    except (OSError, ValueError, TypeError) as error:
         raise DiscoveryError(f"{bundle_id!r} distribution RECORD cannot be read") from error
 
 

@@ -87,7 +87,16 @@ def _host_distribution(name: str) -> importlib.metadata.Distribution | None:
 def host_has_preemption_contract(host_name: str = "vllm") -> bool:
     """True when the installed host ships the ``vllm.preemption-policy`` module (RECORD)."""
     dist = _host_distribution(host_name)
-    return dist is not None and any(str(f) == CONTRACT_FILE for f in dist.files or ())
+    if dist is None:
+        return False
+    try:
+        files = dist.files or ()
+    except (OSError, ValueError, TypeError) as error:  # importlib raises all three
+        raise ValueError(
+            f"host distribution {host_name!r} RECORD cannot be read, so whether it ships "
+            f"{CONTRACT_FILE} is unknown: reinstall {host_name}"
+        ) from error
+    return any(str(f) == CONTRACT_FILE for f in files)
 
 
 def _detected_protocols(host_name: str) -> dict[str, str]:
@@ -151,7 +160,28 @@ def _environment(manifest: Manifest, configuration: Mapping[str, Any]) -> dict[s
         raise ValueError(f"environment overrides must be declared by the manifest: {undeclared}")
     if not all(isinstance(v, str) for v in overrides.values()):
         raise ValueError("environment override values must be strings")
-    return {**declared, **overrides}
+    environment = {**declared, **overrides}
+    _exportable(environment)
+    return environment
+
+
+def _exportable(environment: Mapping[str, str]) -> None:
+    """Refuse what no process environment can hold, before ``run`` gets as far as exec.
+
+    Manifest 0.2 allows any string, but a name that is empty or holds '=' or NUL, or a
+    value holding NUL, would fail the launch with an error naming no variable.
+    """
+    for name, value in environment.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(
+                f"environment variable name {name!r} cannot be exported: expected a "
+                "non-empty name without '=' or NUL"
+            )
+        if "\0" in value:
+            raise ValueError(
+                f"environment variable {name!r} cannot be exported: its value holds a NUL "
+                "character"
+            )
 
 
 def _launch_options(configuration: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
