@@ -251,6 +251,31 @@ def test_engine_facts_do_not_hide_a_malformed_setting(
     assert (policy.config.block_size, policy.config.prefix_caching) == (16, True)
 
 
+@pytest.mark.parametrize(
+    ("environ", "additional", "named"),
+    [
+        ({"BIDKV_UTILITY_ENABLE": "maybe"}, {"bidkv": {"enabled": True}},
+         "BIDKV_UTILITY_ENABLE='maybe' is invalid"),
+        ({}, {"utility_completion_weight": -1, "bidkv": {"completion_weight": 1.0}},
+         "additional_config['utility_completion_weight']=-1 is invalid"),
+        ({"BIDKV_UTILITY_SEED": "abc"}, {"bidkv": {"seed": 3}},
+         "BIDKV_UTILITY_SEED='abc' is invalid"),
+    ],
+)
+def test_a_malformed_value_a_later_source_replaces_is_refused(
+    environ: dict[str, str], additional: dict[str, Any], named: str
+) -> None:
+    """Precedence (environment, reference keys, ``additional_config["bidkv"]``) picks among
+    well-formed values; a malformed one fails naming its own source even when a later
+    source replaces it, as an unknown name does."""
+    with pytest.raises(ConfigError) as caught:
+        BidKVConfig.from_sources(additional, environ)
+    assert str(caught.value).startswith(named), str(caught.value)
+    fixed = {k: "1" if k.endswith(("ENABLE", "SEED")) else v for k, v in environ.items()}
+    clean = {k: v for k, v in additional.items() if k != "utility_completion_weight"}
+    BidKVConfig.from_sources(clean, fixed)  # the well-formed pair is accepted
+
+
 def test_from_vllm_config_ignores_values_that_are_not_engine_facts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

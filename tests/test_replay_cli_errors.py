@@ -332,6 +332,28 @@ def test_environment_and_additional_config_are_validated_up_front(
     assert "additional_config['bidkv']['zz'] is not a BidKV setting" in message
 
 
+@pytest.mark.parametrize(
+    ("variable", "raw", "policies"),
+    [
+        ("BIDKV_UTILITY_ENABLE", "maybe", "bidkv"),
+        ("BIDKV_UTILITY_STRATEGY", "nonsense", "bidkv"),
+        ("BIDKV_UTILITY_LIVENESS_PREEMPTIONS", "-5", "lcf"),
+        ("BIDKV_UTILITY_BLOCK_SIZE", "abc", "bidkv"),
+    ],
+)
+def test_a_malformed_variable_an_arm_replaces_is_still_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    variable: str, raw: str, policies: str,
+) -> None:
+    """Every arm sets ``enabled`` and ``strategy`` (peers also the liveness guard off) and
+    the engine sets the block size: a malformed BIDKV_UTILITY_* value they replace would
+    otherwise pass unseen, where the same variable fails a host-loaded selector."""
+    monkeypatch.setenv(variable, raw)
+    message = _refused(capsys, tmp_path, "--policies", policies)
+    assert message.startswith(f"bidkv-replay: error: {variable}={raw!r} is invalid"), message
+    assert not (tmp_path / "out").exists()
+
+
 def test_arm_settings_may_repair_the_shared_section(tmp_path: Path) -> None:
     """An arm override replaces a bad shared value, as in the engine: no false refusal."""
     from bidkv_ext.replay.arms import check_arms, parse_arms

@@ -14,7 +14,7 @@ the host's loader lets it propagate and engine start-up fails with that message.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 from pydantic import (
@@ -148,9 +148,22 @@ class BidKVConfig(BaseModel):
         **overrides: Any,
     ) -> BidKVConfig:
         """Build from the environment, then the reference BidKV's top-level
-        ``additional_config`` keys, then ``additional_config["bidkv"]``, then overrides."""
+        ``additional_config`` keys, then ``additional_config["bidkv"]``, then overrides.
+
+        A later source replaces an earlier one's value, but every value given must be
+        well-formed: a malformed one fails with :class:`ConfigError` naming its source even
+        where a later source replaces it."""
         values: dict[str, Any] = {}
         origin: dict[str, str] = {}
+        # Values a later source replaced. Precedence picks among well-formed values; a
+        # malformed one is still the operator's mistake and must not pass unseen.
+        shadowed: list[tuple[str, Any, str]] = []
+
+        def put(name: str, value: Any, where: str) -> None:
+            if name in values:
+                shadowed.append((name, values[name], origin[name]))
+            values[name], origin[name] = value, where
+
         if environ is not None:
             known = {cls.env_name(name): name for name in cls.model_fields}
             for env, raw in environ.items():
@@ -162,9 +175,8 @@ class BidKVConfig(BaseModel):
                     # repr() only for a name with a line break or other unprintable text.
                     shown = env if env.isprintable() else repr(env)
                     raise ConfigError(f"{shown} is not a BidKV setting; accepted: {accepted}")
-                values[known[env]] = raw
-                origin[known[env]] = env
-        _reference_keys(additional_config or {}, values, origin)
+                put(known[env], raw, env)
+        _reference_keys(additional_config or {}, put)
         section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if section is not None:
             if not isinstance(section, Mapping):
@@ -178,14 +190,11 @@ class BidKVConfig(BaseModel):
                         f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}] is not a BidKV "
                         f"setting (keys are setting names); accepted: {accepted}"
                     )
-                values[key] = value
-                origin[key] = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]"
-        shadowed = {key: values[key] for key in overrides if key in values}
-        if shadowed:
-            # An engine fact replaces a configured value, but a malformed one is still the
-            # operator's mistake: refuse it rather than let the override hide it.
-            cls.validated(shadowed, origin)
-        values.update(overrides)
+                put(key, value, f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{key!r}]")
+        for key, value in overrides.items():  # engine facts and callers' arguments
+            put(key, value, key)
+        for name, value, where in shadowed:
+            cls.validated({name: value}, {name: where})
         config = cls.validated(values, origin)
         if config.enabled and environ is not None and RESEARCH_STRATEGY_ENV in environ:
             # The reference refused this pair too: its research hook's strategy variable
@@ -210,7 +219,7 @@ def _is_numeric(annotation: object) -> bool:
 
 
 def _reference_keys(
-    additional_config: Mapping[str, Any], values: dict[str, Any], origin: dict[str, str]
+    additional_config: Mapping[str, Any], put: Callable[[str, Any, str], None]
 ) -> None:
     for key, value in additional_config.items():
         field = REFERENCE_KEYS.get(key)
@@ -222,8 +231,7 @@ def _reference_keys(
                     f"not have; accepted reference keys: {accepted}"
                 )
             continue
-        values[field] = value
-        origin[field] = f"additional_config[{key!r}]"
+        put(field, value, f"additional_config[{key!r}]")
 
 
 def _one_line(exc: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
