@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -682,6 +685,42 @@ def test_one_damaged_bundle_is_a_diagnostic_not_a_failure(
     assert listed[BROKEN_ID]["valid"] is False and error in listed[BROKEN_ID]["discovery_error"]
     code, _, err = invoke(["extension", "inspect", BROKEN_ID], capsys)
     assert code == 2 and error in err.splitlines()[-1] and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "plugins_off"),
+    [(["--version"], False), (["extension", "list"], False), (["extension", "list"], True),
+     (["extension", "status", "org.vllm-hust.bidkv"], True)],
+    ids=["version", "list", "list-discovery", "status-discovery"],
+)
+def test_a_damaged_entry_points_file_anywhere_is_one_line_naming_it(
+    tmp_path: Path, argv: list[str], plugins_off: bool
+) -> None:
+    """An unrelated distribution whose entry_points.txt holds a line without '=' makes
+    ``importlib.metadata.entry_points()`` raise a TypeError naming nothing. pydantic calls
+    it while the manager's models are built (so every command, ``--version`` included,
+    ended in a traceback), and discovery calls it for the bundle group (reached with
+    pydantic's plugins off: an "internal error"). Both now end in one line naming the
+    distribution and its folder. The real console script runs in a subprocess: the failure
+    is at import."""
+    site = tmp_path / "site"
+    info = site / "junk-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: junk\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[console_scripts]\nbroken line without equals\n")
+    env = {**os.environ, "PYTHONPATH": str(site),
+           "VLLM_HUST_EXT_CONFIG": str(tmp_path / "config.json")}
+    if plugins_off:
+        env["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    cli = str(Path(sys.executable).with_name("vllm-hust-ext"))
+    done = subprocess.run([cli, *argv], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("vllm-hust-ext: error: "), done.stderr
+    assert f"installed distribution 'junk' 1.0 in {site} has an entry_points.txt Python " \
+        "cannot parse" in last, done.stderr
 
 
 def test_descriptor_only_bundle_is_inspectable_but_not_enabled(

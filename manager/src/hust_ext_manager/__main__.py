@@ -2,6 +2,6 @@
 
 import sys
 
-from hust_ext_manager.cli import main
+from hust_ext_manager.console import main
 
 sys.exit(main())

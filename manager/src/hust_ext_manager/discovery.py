@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from hust_ext_manager.manifest import Manifest, ManifestError, load_manifest
+from hust_ext_manager.metadata_scan import unreadable_entry_points
 
 __all__ = [
     "BUNDLE_GROUP",
@@ -200,8 +201,14 @@ def _load(registration: EntryPoint) -> InstalledBundle:
 
 
 def _registrations() -> dict[str, list[EntryPoint]]:
+    try:
+        registrations = entry_points(group=BUNDLE_GROUP)
+    except (TypeError, ValueError) as error:  # one damaged entry_points.txt on the path
+        raise DiscoveryError(
+            unreadable_entry_points() or f"installed entry points cannot be read: {error}"
+        ) from error
     found: dict[str, list[EntryPoint]] = {}
-    for registration in entry_points(group=BUNDLE_GROUP):
+    for registration in registrations:
         found.setdefault(registration.name, []).append(registration)
     return found
 

@@ -62,15 +62,36 @@ class LaunchPlan:
 # --- argument rendering -------------------------------------------------------------
 
 
-def _find(command: list[str], option: str) -> tuple[int, str | None, bool] | None:
-    """Locate ``--opt V`` or ``--opt=V``: (index, value or None if missing, inline form)."""
+def _option_name(arg: str) -> str | None:
+    """The option ``arg`` names as vLLM's parser reads it (``--a_b=V`` is ``--a-b``)."""
+    if not arg.startswith("--"):
+        return None
+    return "--" + arg[2:].partition("=")[0].replace("_", "-")
+
+
+def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None, bool]]:
+    """Every ``--opt V`` or ``--opt=V`` (either spelling of the name's dashes, as vLLM
+    accepts): (index, value or None if missing, inline form), in order.
+
+    vLLM uses the last occurrence; a caller's value found only at the first would let a
+    later one replace the extension's without a word. ``--opt.key V`` (vLLM's per-key form
+    of a JSON option) is refused: it would replace the merged object.
+    """
+    found: list[tuple[int, str | None, bool]] = []
     for index, arg in enumerate(command):
-        if arg == option:
-            value = command[index + 1] if index + 1 < len(command) else None
-            return index, value, False
-        if arg.startswith(option + "="):
-            return index, arg[len(option) + 1 :], True
-    return None
+        name = _option_name(arg)
+        if name == option:
+            if "=" in arg:
+                found.append((index, arg.partition("=")[2], True))
+            else:
+                value = command[index + 1] if index + 1 < len(command) else None
+                found.append((index, value, False))
+        elif name is not None and name.startswith(option + "."):
+            raise ValueError(
+                f"{arg.partition('=')[0]} cannot be merged with the extension's {option}: "
+                f"give {option} one JSON object instead"
+            )
+    return found
 
 
 def _dump(value: object) -> str:
@@ -81,10 +102,10 @@ def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> li
     """Merge the bundles' additional_config into the caller's ``--additional-config``."""
     if not merged:
         return command
-    found = _find(command, "--additional-config")
-    if found is None:
+    found = _occurrences(command, "--additional-config")
+    if not found:
         return [*command, "--additional-config", _dump(dict(merged))]
-    index, value, inline = found
+    index, value, inline = found[-1]  # the one vLLM reads
     if value is None:
         raise ValueError("--additional-config requires a JSON object")
     try:
@@ -109,25 +130,28 @@ def merge_additional_config(command: list[str], merged: Mapping[str, Any]) -> li
 
 
 def merge_option(command: list[str], option: str, value: object, *, is_json: bool) -> list[str]:
-    """Append ``option value`` unless the caller set it; an equal value is accepted."""
-    found = _find(command, option)
-    if found is None:
+    """Append ``option value`` unless the caller set it; an equal value is accepted (in
+    every place the caller gave the option)."""
+    found = _occurrences(command, option)
+    if not found:
         return [*command, option, _dump(value) if is_json else str(value)]
-    _, existing, _ = found
-    if existing is None:
-        raise ValueError(
-            f"{option} requires a JSON object" if is_json else f"{option} requires a value"
-        )
-    if is_json:
-        try:
-            same = same_json(load_json(existing), value)
-        except JSONInputError:
-            same = False
-    else:
-        same = existing == value
-    if not same:
-        raise ValueError(f"extension activation conflicts with {option}")
+    for _, existing, _ in found:
+        if existing is None:
+            raise ValueError(
+                f"{option} requires a JSON object" if is_json else f"{option} requires a value"
+            )
+        if not _same_value(existing, value, is_json=is_json):
+            raise ValueError(f"extension activation conflicts with {option}")
     return command
+
+
+def _same_value(existing: str, value: object, *, is_json: bool) -> bool:
+    if not is_json:
+        return existing == value
+    try:
+        return same_json(load_json(existing), value)
+    except JSONInputError:
+        return False
 
 
 def merge_flag(command: list[str], flag: str) -> list[str]:
