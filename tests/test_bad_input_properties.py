@@ -623,15 +623,16 @@ def _schedule_case(data: st.DataObject) -> FileCase:
 
 def _json_schedule_oracle(i: int, field_index: int, token: str, case: FileCase
                           ) -> Callable[[Any], None]:
-    """JSON schedules are strict: ``t`` a finite JSON number >= 0 (strictly increasing),
-    ``blocks`` a JSON integer in 1..usable; the accepted value is the one written."""
+    """JSON schedules are strict: ``t`` a JSON number from 0 to the clock's bound (strictly
+    increasing), ``blocks`` a JSON integer in 1..usable; the accepted value is the one
+    written."""
     try:
         value = json.loads(token)
     except (ValueError, RecursionError):
         return lambda schedule: None  # not JSON alone; within the file it may still be
     number = _finite(value) and isinstance(value, int | float) and not isinstance(value, bool)
     if field_index == 0:
-        ok = number and value >= 0 and (
+        ok = number and 0 <= value <= cli.MAX_SIMULATED_SECONDS and (
             i == 0 or value > SCHEDULE[i - 1][0]) and (
             i == len(SCHEDULE) - 1 or value < SCHEDULE[i + 1][0])
     else:
@@ -788,8 +789,9 @@ def _step_case(data: st.DataObject, workdir: Path) -> tuple[FileCase, str | None
 
 def _step_number_oracle(fmt: str, coefficient: str, token: str, case: FileCase
                         ) -> Callable[[Any], None] | None:
-    """A coefficient is a finite number >= 0 that keeps the longest step within the
-    simulated clock's bound; accepted, it is the number written."""
+    """A coefficient is a finite number >= 0 (``a``, the fixed cost of a step, > 0) that
+    keeps the longest step within the simulated clock's bound; accepted, it is the number
+    written."""
     try:
         value = json.loads(token) if fmt == "json" else tomllib.loads(f"x = {token}")["x"]
     except (ValueError, RecursionError):
@@ -797,7 +799,7 @@ def _step_number_oracle(fmt: str, coefficient: str, token: str, case: FileCase
     if not isinstance(value, int | float) or isinstance(value, bool):
         case.expect = "refuse"  # strict: true, "0.5", null are no numbers
         return None
-    ok = _finite(value) and value >= 0
+    ok = _finite(value) and (value > 0 if coefficient == "a" else value >= 0)
     if ok:
         seed = {k: float(v) for k, v in STEP_SEED.items() if k in "abcd"}
         seed[coefficient] = float(value)
@@ -1060,8 +1062,8 @@ def _replay(argv: list[str], out: Path) -> _Run:
         assert len(run.lines) == 1 and run.err.endswith("\n"), run.err
         assert run.lines[0].startswith("bidkv-replay: error: "), run.err
         _one_line(run.lines[0])
-    elif run.outcome == "usage":
-        assert run.lines[-1].startswith("bidkv-replay: error: "), run.err
+    elif run.outcome == "usage":  # argparse's refusals: one line too, no usage block
+        assert len(run.lines) == 1 and run.lines[0].startswith("bidkv-replay: error: "), run.err
     assert not out.exists(), f"{out} created by a run that did not finish"
     return run
 

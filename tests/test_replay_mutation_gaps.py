@@ -228,7 +228,7 @@ def test_fake_prompts_follow_the_seed_and_differ_between_azure_requests() -> Non
 def test_every_step_coefficient_must_be_finite(tmp_path: Path, key: str, value: str) -> None:
     """Each of a, b, c, d refuses Infinity and NaN (which ``json.loads`` accepts) with an
     error naming that key, before any replay runs."""
-    fields = {k: "0" for k in "abcd"} | {key: value}
+    fields = {"a": "0.001", "b": "0", "c": "0", "d": "0"} | {key: value}
     path = tmp_path / "model.json"
     path.write_text('{"name": "x", ' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}")
     with pytest.raises(StepTimeModelError, match=rf"^{path}: {key}: "):

@@ -42,15 +42,16 @@ def test_toml_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [('{"name": "x", "a": -1, "b": 0, "c": 0, "d": 0}', "a:"),
-     ('{"name": "x", "a": 0, "b": -1e-9, "c": 0, "d": 0}', "b:"),
-     ('{"name": "x", "a": 0, "b": 0, "c": -1, "d": 0}', "c:"),
-     ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": -1}', "d:"),
-     ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": Infinity}', "d:"),
-     ('{"name": "", "a": 0, "b": 0, "c": 0, "d": 0}', "name:"),
-     ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": 0, "e": 1}', "e:"),
+     ('{"name": "x", "a": 0, "b": 0, "c": 0, "d": 0}', "a:"),  # a step takes time
+     ('{"name": "x", "a": 0.001, "b": -1e-9, "c": 0, "d": 0}', "b:"),
+     ('{"name": "x", "a": 0.001, "b": 0, "c": -1, "d": 0}', "c:"),
+     ('{"name": "x", "a": 0.001, "b": 0, "c": 0, "d": -1}', "d:"),
+     ('{"name": "x", "a": 0.001, "b": 0, "c": 0, "d": Infinity}', "d:"),
+     ('{"name": "", "a": 0.001, "b": 0, "c": 0, "d": 0}', "name:"),
+     ('{"name": "x", "a": 0.001, "b": 0, "c": 0, "d": 0, "e": 1}', "e:"),
      ('{"name": "x", "a": true, "b": 0, "c": 0, "d": 0}', "a:"),
-     ('{"name": "x", "a": 0, "b": "0.5", "c": 0, "d": 0}', "b:"),
-     ('{"name": 7, "a": 0, "b": 0, "c": 0, "d": 0}', "name:"),
+     ('{"name": "x", "a": 0.001, "b": "0.5", "c": 0, "d": 0}', "b:"),
+     ('{"name": 7, "a": 0.001, "b": 0, "c": 0, "d": 0}', "name:"),
      ("{broken", "not valid JSON")],
 )
 def test_bad_files(tmp_path: Path, text: str, needle: str) -> None:

@@ -194,6 +194,10 @@ def _overrides(name: str) -> tuple[str, dict[str, object]]:
     return base.strip(), values
 
 
+# BidKV settings an engine supplies itself, with the replay option that sets them.
+_ENGINE_SETTINGS = {"block_size": "--block-size", "prefix_caching": "--[no-]prefix-caching"}
+
+
 def named_arm(name: str, seed: int) -> Arm:
     """An arm for a ``--policies`` entry: a selector strategy or ``clairvoyant``.
 
@@ -206,6 +210,13 @@ def named_arm(name: str, seed: int) -> Arm:
         # Not silently dropped: the user would believe the arm ran with them.
         raise ArmError(f"--policies {label!r}: {name} takes no settings; only the selector's "
                        "strategies do (e.g. bidkv{preempt_weight=2})")
+    engine = sorted(extra.keys() & _ENGINE_SETTINGS.keys())
+    if engine:
+        # The engine's facts replace these in every arm (as on a real engine), so the arm
+        # would run without them while its label says otherwise.
+        flags = ", ".join(_ENGINE_SETTINGS[key] for key in engine)
+        raise ArmError(f"--policies {label!r}: {', '.join(engine)} describes the engine, not "
+                       f"one arm; set it for every arm with {flags}")
     if name == CLAIRVOYANT:
         return Arm(
             "clairvoyant (reference)",

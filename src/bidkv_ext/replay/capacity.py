@@ -43,6 +43,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bidkv_ext.replay import jsontext
+from bidkv_ext.replay.limits import MAX_SIMULATED_SECONDS
 from kvcached_provider.signals import CapacitySignals, PageModel, PoolSignals
 
 __all__ = [
@@ -70,7 +71,8 @@ class CapacityScheduleError(ValueError):
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    t: float = Field(ge=0, allow_inf_nan=False)
+    # Bounded like an arrival: far beyond it a step's length no longer moves the clock.
+    t: float = Field(ge=0, le=MAX_SIMULATED_SECONDS, allow_inf_nan=False)
     blocks: int = Field(ge=1)
 
 
@@ -117,7 +119,7 @@ def _entry_error(source: str, index: int, exc: ValidationError) -> CapacitySched
     where = jsontext.error_location(first["loc"], "entry")
     return CapacityScheduleError(
         f"{source}: entry {index}: {where}: {first['msg']} "
-        '(expected {"t": seconds >= 0, "blocks": integer >= 1})'
+        f'(expected {{"t": seconds from 0 to {MAX_SIMULATED_SECONDS:g}, "blocks": integer >= 1}})'
     )
 
 

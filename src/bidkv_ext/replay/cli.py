@@ -33,10 +33,11 @@ import argparse
 import hashlib
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from bidkv_ext.contract import PreemptionPolicy
 from bidkv_ext.replay import jsontext
@@ -53,6 +54,7 @@ from bidkv_ext.replay.capacity import (
     CapacityScheduleError,
     load_capacity_schedule,
 )
+from bidkv_ext.replay.limits import MAX_SIMULATED_SECONDS
 from bidkv_ext.replay.report import OutputError, prepare_output_dir
 from bidkv_ext.replay.steptime import (
     PRESETS,
@@ -90,10 +92,6 @@ MAX_NUM_GPU_BLOCKS = 10_000_000
 first step, so a typo of a few extra digits would run out of memory or never start. Ten
 million 16-token blocks hold 160 M tokens, over 100 times the KV cache of the largest
 single GPU (an H200's 141 GB holds about 1.1 M tokens of Llama-3.1-8B)."""
-MAX_SIMULATED_SECONDS = 1e10
-"""Upper bound of a simulated time (an arrival, one step): about 317 years. The clock is a
-float; below this it still resolves about two microseconds, and no sum of such times reaches
-infinity, which the report's JSON cannot hold."""
 DEFAULT_OUTPUT_DIR = Path("bidkv-replay-out")
 SCHEMA = "bidkv-replay/1"
 REPORT_FILES = ("report.json", "timing.json", "report.md")
@@ -104,8 +102,15 @@ class _UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, like every other refusal: argparse's own error would come after the
+        # usage block of some forty options.
+        self.exit(2, f"{self.prog}: error: {' '.join(message.splitlines())} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="bidkv-replay",
         description="Replay a request trace through the real vLLM scheduler and compare "
         "KV-cache victim policies on a simulated clock.",
@@ -286,6 +291,9 @@ def _run(args: argparse.Namespace) -> int:
     additional = _additional_config(args.additional_config)
     step_model = _step_model(args)
     trace_path: Path = args.trace if args.trace is not None else SAMPLE_TRACE
+    _rereadable(trace_path, "--trace")
+    if args.capacity_schedule is not None:
+        _rereadable(args.capacity_schedule, "--capacity-schedule")
     num_blocks = args.num_gpu_blocks or (
         SAMPLE_NUM_GPU_BLOCKS if args.trace is None else DEFAULT_NUM_GPU_BLOCKS)
     capacity = (None if args.capacity_schedule is None
@@ -314,6 +322,20 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     document = _report_document(args, trace_info, settings, step_model, results)
     return _write_outputs(args, document, ttfts, speeds, walls)
+
+
+def _rereadable(path: Path, option: str) -> None:
+    """Refuse a pipe or device: the file is read again to record its sha256 (and a trace
+    once more to guess its format), and a second read of a pipe sees nothing."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # the loader names a missing or unreadable file
+    if not stat.S_ISREG(mode):
+        raise _UsageError(
+            f"{option} {path}: expected a regular file (it is read more than once, to record "
+            "its sha256), got a pipe, device or directory; write it to a file first"
+        )
 
 
 def _step_model(args: argparse.Namespace) -> StepTimeModel:
@@ -492,7 +514,8 @@ def _write_outputs(
         (out / "report.json", lambda: write_json(out / "report.json", document)),
         (out / "timing.json", lambda: write_json(out / "timing.json", timing)),
         (out / "report.md",
-         lambda: write_atomic(out / "report.md", markdown_report(document, speeds).encode())),
+         lambda: write_atomic(out / "report.md", markdown_report(
+             document, speeds, plots=not args.no_plots).encode())),
     ]
     if not args.no_plots:
         writers.append((out, lambda: write_plots(out, ttfts, results)))

@@ -298,7 +298,11 @@ def write_json(path: Path, document: Mapping[str, Any]) -> None:
     write_atomic(path, text.encode())
 
 
-def markdown_report(document: Mapping[str, Any], speeds: Mapping[str, float]) -> str:
+def markdown_report(
+    document: Mapping[str, Any], speeds: Mapping[str, float], *, plots: bool = True
+) -> str:
+    """report.md. Without ``plots`` it links no figure: a folder reused from an earlier
+    run may still hold that run's."""
     trace, settings, model = document["trace"], document["settings"], document["step_model"]
     arms = document["arms"]
     lines = [
@@ -330,10 +334,8 @@ def markdown_report(document: Mapping[str, Any], speeds: Mapping[str, float]) ->
         "(reference) know the true output lengths: a reference line, not a bound.",
         "",
         *capacity_markdown(document),
-        "![TTFT CDF](ttft_cdf.png)",
-        "",
-        "![Recompute tax and P95 TTFT](bars.png)",
-        "",
+        *(["![TTFT CDF](ttft_cdf.png)", "", "![Recompute tax and P95 TTFT](bars.png)", ""]
+          if plots else []),
     ]
     attribution = document["trace"].get("attribution")
     if attribution:

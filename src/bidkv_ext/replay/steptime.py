@@ -100,9 +100,11 @@ class _ModelFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Finite: an infinite coefficient makes every step last forever (the report's JSON
-    # cannot even hold it), and json.loads accepts Infinity and NaN.
+    # cannot even hold it), and json.loads accepts Infinity and NaN. The fixed cost of a
+    # step is positive: with it 0, a step could take no time, and a run no time at all
+    # (throughput and goodput would divide by a zero makespan).
     name: str = Field(min_length=1)
-    a: float = Field(ge=0, allow_inf_nan=False)
+    a: float = Field(gt=0, allow_inf_nan=False)
     b: float = Field(ge=0, allow_inf_nan=False)
     c: float = Field(ge=0, allow_inf_nan=False)
     d: float = Field(ge=0, allow_inf_nan=False)
@@ -137,8 +139,8 @@ def load_step_model(spec: str) -> StepTimeModel:
         first = exc.errors()[0]
         where = error_location(first["loc"], "<root>")
         raise StepTimeModelError(
-            f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d: finite numbers "
-            ">= 0, source)"
+            f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d: finite numbers, "
+            "a > 0 and the others >= 0, source)"
         ) from None
     return StepTimeModel(parsed.name, parsed.a, parsed.b, parsed.c, parsed.d, parsed.source)
 

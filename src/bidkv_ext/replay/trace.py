@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from bidkv_ext.replay import jsontext
 
@@ -64,8 +64,12 @@ class TraceSelection:
     filtered_too_long: int
 
 
+_SNIFF_BYTES = 64 * 1024
+
+
 def detect_format(path: Path) -> Literal["azure", "mooncake"]:
-    """``.jsonl``/``.json`` -> mooncake, ``.csv`` -> azure; otherwise sniff the first byte."""
+    """``.jsonl``/``.json`` -> mooncake, ``.csv`` -> azure; otherwise sniff the first
+    character that is not a byte-order mark, blank line or space (the loaders skip those)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         return "mooncake"
@@ -73,10 +77,10 @@ def detect_format(path: Path) -> Literal["azure", "mooncake"]:
         return "azure"
     try:
         with path.open("rb") as handle:
-            head = handle.read(1)
+            head = handle.read(_SNIFF_BYTES)
     except OSError as exc:
         raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
-    return "mooncake" if head == b"{" else "azure"
+    return "mooncake" if head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"{" else "azure"
 
 
 def load_trace(path: Path, fmt: TraceFormat = "auto") -> tuple[TraceRequest, ...]:
@@ -164,6 +168,9 @@ def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
             f"{path}:1: Azure CSV header must contain {', '.join(_AZURE_COLUMNS)}; missing "
             f"{', '.join(missing)}"
         )
+    twice = [c for c in _AZURE_COLUMNS if names.count(c) > 1]
+    if twice:  # which of the two columns would be meant is anybody's guess
+        raise TraceError(f"{path}:1: column {', '.join(twice)} appears more than once")
     t_col, in_col, out_col = (names.index(c) for c in _AZURE_COLUMNS)
     first: datetime | None = None
     previous = -math.inf
@@ -189,8 +196,16 @@ def _load_azure(path: Path, handle: Iterator[str]) -> Iterator[TraceRequest]:
 
 
 def _json_line(path: Path, line: int, text: str) -> object:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        row = dict(pairs)
+        if len(row) != len(pairs):  # json.loads would keep the last silently
+            keys = [k for k, _ in pairs]
+            twice = next(k for k in keys if keys.count(k) > 1)
+            raise TraceError(f"{path}:{line}: key {twice!r} appears more than once")
+        return row
+
     try:
-        return jsontext.loads(text)
+        return jsontext.loads(text, object_pairs_hook=unique)
     except jsontext.JsonTextError as exc:
         raise TraceError(f"{path}:{line}: {exc}") from None
 
