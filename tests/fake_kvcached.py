@@ -6,11 +6,16 @@ GPU toolkit), so tests insert these fakes into ``sys.modules`` as ``kvcached``,
 follows ``shared/specs/kvcached-notes.md`` (sections 2.1-2.3) and kvcached 0.1.6 as read
 in its sdist: page/block bookkeeping, the shrink rules, the per-pool revision rules
 (stale / idempotent / conflict / apply, with ``deferred`` when in-use pages exceed the
-target), quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
-``ValueError``) without taking the revision, ``mapped_bytes`` counting in-use plus
-reserved pages, the instance-level split, status precedence, result keys, the pool's
-``ipc_name`` and, as under vLLM's synchronous scheduling, a no-op ``_lock`` that every
-mutating method takes. Written from those facts; it shares no code with kvcached.
+target, and reserved pages dropped by a shrink), the allocation order (partly used pages
+best-fit, then fresh pages, bounded by the device's free pages plus the reserved ones, as
+``available_size`` counts them), block 0 kept as the null block when asked, quarantined
+pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a ``ValueError``)
+without taking the revision (the notes name that outcome ``rejected``; the provider
+takes either form, and a ``rejected`` answer is tested verbatim), ``mapped_bytes``
+counting in-use plus reserved pages, the instance-level split, status precedence, result
+keys, the pool's ``ipc_name`` and, as under vLLM's synchronous scheduling, a no-op
+``_lock`` that every mutating method takes. Written from those facts; it shares no code
+with kvcached.
 
 The control record helpers write real 24-byte records (three native int64) into a
 directory standing in for ``/dev/shm``, like kvcached at start-up and ``kvctl limit``.
@@ -90,7 +95,7 @@ class FakeKVCacheManager:
     def __init__(self, *, num_blocks: int = 64, block_mem_size: int = 1 << 16,
                  page_size: int = 1 << 20, num_layers: int = 4, num_kv_buffers: int = 2,
                  group_id: int = 0, pool_name: str | None = "block_pool",
-                 physical_free_pages: int = 1000) -> None:
+                 physical_free_pages: int = 1000, reserve_null_block: bool = False) -> None:
         self.block_mem_size = block_mem_size
         self.page_size = page_size
         self.num_layers = num_layers
@@ -112,6 +117,8 @@ class FakeKVCacheManager:
         self._revision = -1
         self._limit: int | None = None
         self._effective: int | None = None
+        if reserve_null_block:  # vLLM asks for it: block 0 is never handed out
+            self.allocated.add(0)
 
     # -- block bookkeeping
     def _page(self, block: int) -> int:
@@ -120,22 +127,43 @@ class FakeKVCacheManager:
     def inuse_pages(self) -> int:
         return len({self._page(b) for b in self.allocated})
 
+    def _fresh_pages(self) -> int:
+        """Pages a new allocation may map: virtual room, bounded by the device's free pages
+        plus the pre-mapped (reserved) ones."""
+        return max(0, min(self.capacity_pages - self.inuse_pages(),
+                          self.page_allocator.physical_free_pages + self.reserved_pages))
+
     def available_size(self) -> int:
         holes = self.inuse_pages() * self.blocks_per_page - len(self.allocated)
         if self.in_shrink:
             return holes  # only holes in mapped pages while shrinking
-        fresh = min(self.capacity_pages - self.inuse_pages(),
-                    self.page_allocator.physical_free_pages)
-        return holes + max(0, fresh) * self.blocks_per_page
+        return holes + self._fresh_pages() * self.blocks_per_page
+
+    def _free_on(self, page: int) -> list[int]:
+        first = page * self.blocks_per_page
+        return [b for b in range(first, first + self.blocks_per_page) if b not in self.allocated]
 
     @_synchronized
     def alloc(self, n: int) -> list[int] | None:
+        """Partly used pages first, best fit (the smallest page holding the whole run, else
+        the emptiest), then fresh pages in page order, as kvcached's allocator does."""
         if self.available_size() < n:
             return None
-        inuse = {self._page(b) for b in self.allocated}
-        free = [b for b in range(self.capacity_pages * self.blocks_per_page)
-                if b not in self.allocated and (not self.in_shrink or self._page(b) in inuse)]
-        taken = free[:n]
+        taken: list[int] = []
+        partly = {p: self._free_on(p) for p in {self._page(b) for b in self.allocated}}
+        partly = {p: free for p, free in partly.items() if free}
+        while len(taken) < n and partly:
+            need = n - len(taken)
+            fits = [p for p, free in partly.items() if len(free) >= need]
+            page = (min(fits, key=lambda p: (len(partly[p]), p)) if fits
+                    else max(partly, key=lambda p: (len(partly[p]), -p)))
+            taken += partly.pop(page)[:need]
+        mapped = {self._page(b) for b in self.allocated} | {self._page(b) for b in taken}
+        for page in range(self.capacity_pages):
+            if len(taken) == n:
+                break
+            if page not in mapped:
+                taken += self._free_on(page)[:n - len(taken)]
         self.allocated.update(taken)
         return taken
 
@@ -186,6 +214,10 @@ class FakeKVCacheManager:
             raise QuarantinedResizeError("capacity cannot change while pages are quarantined")
         self._revision, self._limit = revision, limit_bytes
         self._effective = target_pages * self._bundle()
+        # Shrinking frees free and reserved pages at once: no pre-mapped page is kept
+        # beyond the room the target leaves next to the pages in use.
+        room = max(0, target_pages - self.inuse_pages())
+        self.reserved_pages = min(self.reserved_pages, room)
         if self.inuse_pages() > target_pages:
             self.in_shrink = True
             self.target_num_blocks = target_pages * self.blocks_per_page

@@ -311,3 +311,34 @@ def test_a_registered_source_answers_instead_of_kvcached_pools(kv: FakeKvcached)
         assert signals.current_signals() is published
     after = signals.current_signals()
     assert after is not None and after.in_shrink and after.available_blocks == 8
+
+
+# --- the fake itself: §2.1's allocator, so the tests above exercise what the notes say ---
+
+
+def test_the_fake_counts_reserved_pages_as_room_for_fresh_ones() -> None:
+    """§2.1: ``available_size()`` = holes + min(virtual free pages, physical free pages +
+    reserved pages) x blocks per page; a shrink frees reserved pages at once."""
+    pool = FakeKVCacheManager(num_blocks=64, physical_free_pages=0)  # 4 pages of 16 blocks
+    assert pool.available_size() == 0 and pool.alloc(1) is None
+    pool.reserved_pages = 2
+    assert pool.available_size() == 32
+    assert pool.alloc(20) is not None and pool.inuse_pages() == 2
+    bundle = pool.page_size * pool.num_layers * pool.num_kv_buffers
+    pool.set_memory_limit(2 * bundle, revision=1)  # no room left beside the 2 in use
+    assert pool.reserved_pages == 0 and not pool.in_shrink
+    assert pool.available_size() == 12  # the holes on the second page only
+
+
+def test_the_fake_allocates_best_fit_on_partly_used_pages_before_fresh_ones() -> None:
+    """§2.1: allocation takes partly used pages first, best fit (the smallest page that
+    holds the whole run, else the emptiest), then fresh pages; block 0 is the null block
+    when asked for, as vLLM asks."""
+    pool = FakeKVCacheManager(num_blocks=64, reserve_null_block=True)
+    assert 0 not in (pool.alloc(63) or [])
+    assert pool.alloc(1) is None  # 63 usable blocks, all taken
+    pool.free([*range(1, 9), 20, 21])  # 8 holes on page 0, 2 on page 1
+    assert pool.alloc(2) == [20, 21]  # page 1 holds the run exactly: best fit
+    assert pool.alloc(3) == [1, 2, 3]
+    pool.free(range(32, 48))  # page 2 empty again: no longer mapped
+    assert pool.alloc(6) == [4, 5, 6, 7, 8, 32]  # the holes first, then a fresh page
