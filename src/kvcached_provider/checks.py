@@ -389,8 +389,16 @@ def check_shm_writable(directory: Path | None = None) -> CheckLine:
     return True, f"{target} is writable"
 
 
-def check_ipc_name(name: str | None, directory: Path | None = None) -> list[CheckLine]:
-    """The planned ``KVCACHED_IPC_NAME`` is addressable and, ideally, unique per instance."""
+def check_ipc_name(
+    name: str | None, directory: Path | None = None, *, launching: bool = False
+) -> list[CheckLine]:
+    """The planned ``KVCACHED_IPC_NAME`` is addressable and, ideally, unique per instance.
+
+    ``launching`` (``run``): an existing control record that a live process uses means
+    another engine runs under this name, and a second would share its control record and
+    limits (kvcached uses an explicit name exactly), so that fails. Otherwise (``status``,
+    possibly of the running engine itself) an existing record is only reported.
+    """
     if name is None:
         return [(False, (
             "KVCACHED_IPC_NAME is not set in the bundle's activation environment; without an "
@@ -422,6 +430,15 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
     except SettingError:  # check_shm_writable already reports the setting
         return lines
     if record.exists():
+        users = _record_users(record) if launching else []
+        if users:
+            lines.append((False, (
+                f"control record {record} is in use by pid {', '.join(map(str, users))}: an "
+                f"engine already runs under KVCACHED_IPC_NAME {name!r}, and a second would "
+                f"share its control record and limits; set a distinct name with "
+                f"{_CONFIGURE_HINT}"
+            )))
+            return lines
         # Informational only: segments survive SIGKILL and (vLLM) SIGTERM, so this may be a
         # leak -- but it may also be a live engine, which must never be deleted blindly.
         lines.append((True, (
@@ -430,6 +447,17 @@ def check_ipc_name(name: str | None, directory: Path | None = None) -> list[Chec
             "KVCACHED_IPC_NAME"
         )))
     return lines
+
+
+def _record_users(record: Path) -> list[int]:
+    """Live processes using the instance of ``record``; none when ``/proc`` is unreadable
+    (then the record is reported as before, never taken for a conflict)."""
+    from kvcached_provider.segments import CleanupError, record_users  # imports this module
+
+    try:
+        return record_users(record)
+    except CleanupError:
+        return []
 
 
 def check_activation_environment(env: Mapping[str, str]) -> list[CheckLine]:
@@ -915,7 +943,8 @@ def check(
         ("vLLM range", lambda: check_vllm_range(_supported_range(manifest))),
         ("/dev/shm", check_shm_writable),
         ("activation environment", lambda: check_activation_environment(env)),
-        ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"))),
+        ("KVCACHED_IPC_NAME", lambda: check_ipc_name(env.get("KVCACHED_IPC_NAME"),
+                                                     launching=command is not None)),
         ("kvcached tuning variables",
          lambda: check_tuning_environment(launch_environment(env))),
         ("other enabled bundles", lambda: check_peer_bundles(peers)),

@@ -66,6 +66,7 @@ __all__ = [
     "CleanupReport",
     "cleanup",
     "on_shutdown",
+    "record_users",
     "tp_socket_dir",
 ]
 
@@ -255,6 +256,13 @@ def _snapshot() -> _Snapshot:
         for e in entries if int(e.name) not in skip
     )
     return _Snapshot(processes, _bound_sockets())
+
+
+def record_users(path: Path) -> list[int]:
+    """Pids of the live processes (other than this one and its ancestors) that use the
+    instance whose control record is ``path``; raises :class:`CleanupError` when ``/proc``
+    cannot be listed."""
+    return _snapshot().users(path.name, path)
 
 
 def _is_kvcached_name(name: str) -> bool:
