@@ -148,8 +148,8 @@ def cli(argv: Sequence[str]) -> Outcome:
 
 
 def norm(text: str) -> str:
-    """The CLI prints each message as one line with runs of whitespace collapsed."""
-    return " ".join(text.split())
+    """The CLI prints each message as one line: each line break becomes a space."""
+    return " ".join(text.splitlines())
 
 
 # argparse reports a usage error through the sub-parser that found it, whose prog names

@@ -155,6 +155,22 @@ def test_configure_refuses_nesting_the_state_file_cannot_hold(
         [config.name, config.name + ".lock"])
 
 
+def test_an_error_keeps_the_spacing_of_the_path_it_names(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Each refusal is one line, so line breaks in a message become spaces; other runs of
+    whitespace stay, or the line would name a path that does not exist."""
+    folder = tmp_path / "in  two\tspaces"
+    folder.mkdir()
+    settings = folder / "settings.json"
+    settings.write_text("[1")
+    code, _, err = invoke(["extension", "configure", "org.test.a", "--file", str(settings)],
+                          capsys)
+    assert code == 2
+    last = err.splitlines()[-1]
+    assert f"extension configuration file {settings} is not valid UTF-8 JSON" in last
+
+
 def test_forget_rules(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = invoke(["extension", "forget", "org.test.a"], capsys)
     assert (code, err.splitlines()[-1]) == (

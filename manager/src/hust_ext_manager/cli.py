@@ -46,8 +46,9 @@ _ADAPTER_SCHEDULER = "bidkv_ext.hosts.vllm.policy_scheduler"
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        # One line, always: multi-line texts would break the error contract.
-        super().error(" ".join(message.split()))
+        # One line, always: multi-line texts would break the error contract. Only line
+        # breaks go: other whitespace is kept, so a named path or value stays exact.
+        super().error(" ".join(message.splitlines()))
 
 
 def _dump(document: object, *, sort_keys: bool = True) -> None:
