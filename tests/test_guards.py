@@ -191,6 +191,33 @@ def test_barrier_victim_starts_the_new_epoch_with_a_full_budget() -> None:
     ).eligible] == ["y"]
 
 
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_a_barrier_preemption_the_host_skips_does_not_widen_the_bound(threshold: int) -> None:
+    """vLLM may leave the barrier victim running (its blocks cannot be freed yet, e.g. a
+    KV connector with asynchronous scheduling defers the free): the guard booked its
+    preemption in advance, so without a correction it would be taken threshold + 1 times
+    by the policy in the new epoch, plus the next barrier. With it, no request exceeds
+    threshold + 1 preemptions in any epoch, the skipped barrier included."""
+    policy = BidkvPreemptionPolicy(BidKVConfig(
+        enabled=True, strategy="largest-first", liveness_preemptions=threshold))
+    controller = PolicyController(policy)
+    preemptions = {"a": threshold, "b": threshold}
+    computed = {"a": 100, "b": 500}
+    taken: Counter[tuple[int, str]] = Counter()
+    for step in range(6 * (threshold + 1)):
+        candidates = [cand(r, computed=computed[r], preemptions=preemptions[r])
+                      for r in ("a", "b")]
+        epoch = policy.liveness.epochs
+        victim = controller.select_victim(ctx(candidates, requester="a", builtin="b"))
+        if step == 0:
+            assert victim == "b" and policy.liveness.epochs == 1  # the barrier
+            continue  # the host does not carry it out
+        preemptions[victim] += 1
+        taken[(epoch, victim)] += 1
+    assert taken[(1, "b")] == threshold + 1  # threshold picks, then the next barrier
+    assert max(taken.values()) <= threshold + 1, taken
+
+
 def test_a_negative_threshold_is_refused() -> None:
     from bidkv_ext.guards import LivenessGuard
 

@@ -61,7 +61,22 @@ class LivenessGuard:
         threshold = self.threshold
         if threshold == 0 or candidate.num_preemptions < threshold:
             return True
-        return candidate.num_preemptions - self._offsets.get(candidate.request_id, 0) < threshold
+        return self._spent(candidate) < threshold
+
+    def _spent(self, candidate: PreemptionCandidate) -> int:
+        """Preemptions of ``candidate`` in this epoch.
+
+        A barrier victim is booked at ``num_preemptions + 1`` before the host preempts it,
+        and vLLM may still not preempt it (its blocks cannot be freed yet, e.g. under a KV
+        connector with asynchronous scheduling). Seen with fewer preemptions than booked,
+        its offset is lowered to what it has for good: an over-booking would hand it an
+        extra preemption in this epoch, beyond the bound.
+        """
+        count = candidate.num_preemptions
+        offset = self._offsets.get(candidate.request_id, 0)
+        if offset > count:
+            self._offsets[candidate.request_id] = offset = count
+        return count - offset
 
     def filter(self, candidates: tuple[PreemptionCandidate, ...]) -> LivenessVerdict:
         threshold = self.threshold
@@ -69,10 +84,8 @@ class LivenessGuard:
             return LivenessVerdict(candidates)
         if max(map(_preemptions, candidates)) < threshold:
             return LivenessVerdict(candidates)
-        offsets = self._offsets
-        eligible = tuple(
-            c for c in candidates if c.num_preemptions - offsets.get(c.request_id, 0) < threshold
-        )
+        spent = self._spent
+        eligible = tuple(c for c in candidates if spent(c) < threshold)
         if len(eligible) == len(candidates):
             return LivenessVerdict(candidates)
         return LivenessVerdict(eligible)
