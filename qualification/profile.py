@@ -9,6 +9,7 @@ validated with pydantic on load so a typo fails before any server starts.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -63,6 +64,36 @@ def _directory_name(value: str) -> str:
 # A profile or cell name: one directory name, checked wherever the field is declared.
 DirectoryName = Annotated[str, AfterValidator(_directory_name)]
 
+_ENV_NAME = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _environment(value: dict[str, str]) -> dict[str, str]:
+    """Variables a process can be given: a name an environment holds, no NUL in a value
+    (the launch would fail with an error naming neither)."""
+    for name, text in value.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"environment variable name {name!r} is invalid: expected "
+                             "letters, digits and '_', not starting with a digit")
+        if "\0" in text:
+            raise ValueError(f"environment variable {name!r} holds a NUL character")
+    return value
+
+
+def _json_object(value: dict[str, object]) -> dict[str, object]:
+    """What the manager is given as JSON: TOML dates and times have no JSON form."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"expected values JSON can hold ({exc})") from None
+    return value
+
+
+Environment = Annotated[dict[str, str], AfterValidator(_environment)]
+JsonObject = Annotated[dict[str, object], AfterValidator(_json_object)]
+# Seconds and other measures: finite (TOML reads inf and nan; an infinite bound or delay
+# would make a gate meaningless or a run wait forever).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -76,11 +107,11 @@ class ManagerSpec(_Frozen):
     # Written with `extension configure` before enabling the bundle in the candidate arm.
     # Hosts without a capability snapshot (stock vLLM + our adapter, bidkv-replay) declare
     # the host and protocol versions they provide here, the documented way.
-    configuration: dict[str, object] = Field(default_factory=dict)
+    configuration: JsonObject = Field(default_factory=dict)
     # Merged over `configuration` only for `run --dry-run` on a machine without the host:
     # the manager must see a compatible host to render anything (rendering only).
-    dry_run_configuration: dict[str, object] = Field(default_factory=dict)
-    shutdown_grace_seconds: float = Field(default=30.0, ge=0)
+    dry_run_configuration: JsonObject = Field(default_factory=dict)
+    shutdown_grace_seconds: Finite = Field(default=30.0, ge=0)
 
 
 class ServerSpec(_Frozen):
@@ -91,7 +122,7 @@ class ServerSpec(_Frozen):
     port: int = Field(default=8000, ge=1, le=65535)
     served_model_name: str | None = None
     graph_mode: str | None = "FULL_DECODE_ONLY"
-    cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    cudagraph_capture_sizes: tuple[Annotated[int, Field(gt=0)], ...] = (1, 2, 4, 8)
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     num_gpu_blocks_override: int | None = Field(default=None, gt=0)
@@ -99,18 +130,18 @@ class ServerSpec(_Frozen):
     max_num_seqs: int | None = Field(default=None, gt=0)
     extra_args: tuple[str, ...] = ()
     # Both arms; e.g. CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES.
-    environment: dict[str, str] = Field(default_factory=dict)
+    environment: Environment = Field(default_factory=dict)
     # Candidate only, on top of the manager's activation environment: the engine must
     # pass BIDKV_UTILITY_* to the engine-core child (qualification.md §2 step 2).
-    candidate_environment: dict[str, str] = Field(default_factory=dict)
+    candidate_environment: Environment = Field(default_factory=dict)
     # Stock vLLM through our adapter: the scheduler class used by *both* arms, so the
     # baseline differs from the candidate only by the policy.
     scheduler_cls: str | None = None
     # Run once per arm after /health (qualification.md §2 step 3), its output recorded;
     # unset: the lane's (nvidia-smi for cuda, npu-smi info for ascend); [] none.
     device_snapshot_command: tuple[str, ...] | None = None
-    ready_timeout_s: float = Field(default=1800.0, gt=0)
-    stop_timeout_s: float = Field(default=120.0, gt=0)
+    ready_timeout_s: Finite = Field(default=1800.0, gt=0)
+    stop_timeout_s: Finite = Field(default=120.0, gt=0)
     # Log-derived gates (qualification.md §6 gate 5); None disables the check.
     graph_capture_pattern: str | None = "Graph capturing finished"
     tp_rank_pattern: str | None = r"(?:rank=|TP|tp_rank=)(\d+)"
@@ -146,17 +177,19 @@ class WorkloadSpec(_Frozen):
         "noting how memory pressure forces the server to pause one sequence so that "
         "another can continue. "
     )
-    temperature: float = 0.0
+    temperature: Finite = Field(default=0.0, ge=0)
     seed: int = 7
     ignore_eos: bool = True
     warmup_prompt: str = "Answer with the numbers from one to ten separated by commas:"
     warmup_max_tokens: int = Field(default=16, gt=0)
-    request_timeout_s: float = Field(default=1800.0, gt=0)
-    cancel_drain_bound_s: float = Field(default=5.0, gt=0)
+    request_timeout_s: Finite = Field(default=1800.0, gt=0)
+    cancel_drain_bound_s: Finite = Field(default=5.0, gt=0)
     recovery_prompt: str = (
         "Reply with exactly this token and nothing else: BIDKV_MATRIX_CANCEL_RECOVERY_OK"
     )
-    recovery_expected: str | None = None
+    # §6 gate 4: the exact answer (stripped); the default prompt asks for this token.
+    # None accepts any HTTP 200 answer.
+    recovery_expected: str | None = "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
     recovery_max_tokens: int = Field(default=16, gt=0)
 
 
@@ -166,12 +199,12 @@ class CellSpec(_Frozen):
     name: DirectoryName = Field(min_length=1)
     # serve cells
     paragraph_repeats: tuple[int, ...] = ()
-    delays_s: tuple[float, ...] = (0.0,)
+    delays_s: tuple[Annotated[Finite, Field(ge=0)], ...] = Field(default=(0.0,), min_length=1)
     concurrency: int = Field(default=4, gt=0)
     # Default: one request per pattern entry (or per delay, whichever is longer).
     num_requests: int | None = Field(default=None, gt=0)
     max_tokens: int = Field(default=2048, gt=0)
-    cancel_after_s: float | None = Field(default=None, gt=0)
+    cancel_after_s: Finite | None = Field(default=None, gt=0)
     # replay cells: extra bidkv-replay arguments (placeholders as in ReplaySpec.args)
     replay_args: tuple[str, ...] = ()
 
@@ -193,8 +226,8 @@ class ReplaySpec(_Frozen):
     candidate_args: tuple[str, ...] = ()
     base_seed: int = 0
     slice_stride: int = Field(default=0, ge=0)
-    timeout_s: float = Field(default=300.0, gt=0)
-    environment: dict[str, str] = Field(default_factory=dict)
+    timeout_s: Finite = Field(default=300.0, gt=0)
+    environment: Environment = Field(default_factory=dict)
 
 
 class Profile(_Frozen):

@@ -123,6 +123,26 @@ def _count(entry: Mapping[str, object], key: str, source: str) -> int:
     )
 
 
+def _figure(entry: Mapping[str, object], source: str, *keys: str) -> float:
+    """A figure the verdict rests on: it must be in the report, as a number or as null (no
+    samples, e.g. nothing completed: NaN). A missing or mistyped one is a malformed report,
+    not a figure that could not be computed."""
+    node: object = entry
+    for key in keys:
+        if not isinstance(node, Mapping) or key not in node:
+            raise QualificationError(
+                f"bidkv-replay report {source}: arm {entry.get('label')!r}: expected "
+                f"{'.'.join(keys)!r} (a number, or null without samples), got nothing"
+            )
+        node = node[key]
+    if node is not None and (isinstance(node, bool) or not isinstance(node, int | float)):
+        raise QualificationError(
+            f"bidkv-replay report {source}: arm {entry.get('label')!r}: expected "
+            f"{'.'.join(keys)!r} to be a number or null, got {node!r}"
+        )
+    return _number(entry, *keys)
+
+
 def arm_from_report(
     arm: Arm,
     doc: Mapping[str, object],
@@ -160,11 +180,11 @@ def arm_from_report(
     enabled = ctrl.get("enabled")
     return ArmResult(
         arm=arm,
-        throughput=_number(entry, "throughput_output_tok_s"),
-        ttft_p50=_number(entry, "ttft_s", "p50"),
-        ttft_p95=_number(entry, "ttft_s", "p95"),
-        latency_p50=_number(entry, "e2e_s", "p50"),
-        latency_p95=_number(entry, "e2e_s", "p95"),
+        throughput=_figure(entry, source, "throughput_output_tok_s"),
+        ttft_p50=_figure(entry, source, "ttft_s", "p50"),
+        ttft_p95=_figure(entry, source, "ttft_s", "p95"),
+        latency_p50=_figure(entry, source, "e2e_s", "p50"),
+        latency_p95=_figure(entry, source, "e2e_s", "p95"),
         requests=requests,
         completed=completed,
         failed=max(0, requests - completed),

@@ -8,7 +8,7 @@ import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from qualification.verdict import ArmResult, CellOutcome
 
@@ -35,13 +35,18 @@ def _finite(value: object) -> object:
 def _write_atomic(path: Path, write: Callable[[TextIO], object]) -> None:
     """Write through a temporary file beside ``path``, renamed onto it only when ``write``
     finished: a run that fails (or is killed) while writing keeps the previous file."""
+    _replace_atomically(path, write, binary=False)
+
+
+def _replace_atomically(path: Path, write: Callable[[Any], object], *, binary: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkstemp: its 0600 would stay on the renamed file. Mode 0o666 lets the
     # umask decide, as for any new file (report.md was 0644 when written directly).
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
+              ) as handle:
             write(handle)
         os.replace(tmp, path)
     except BaseException:
@@ -300,6 +305,8 @@ def write_plot(path: Path, outcomes: Sequence[CellOutcome]) -> None:
         ax.set_yticklabels([f"{o.cell}\n({o.label})" for o in outcomes], fontsize=8)
         ax.set_title(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:  # like the record and the report: a failed write keeps the previous figure
+        _replace_atomically(path, lambda handle: fig.savefig(handle, format="png", dpi=100),
+                            binary=True)
+    finally:
+        plt.close(fig)

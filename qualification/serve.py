@@ -369,7 +369,9 @@ class ServeArm:
             graph = server.graph_capture_pattern in log_text
         ranks = None
         if self.profile.tensor_parallel_size > 1 and server.tp_rank_pattern:
-            ranks = tuple(sorted({int(m) for m in re.findall(server.tp_rank_pattern, log_text)}))
+            found = re.findall(server.tp_rank_pattern, log_text)
+            # A capture that is not a number names no rank (the pattern may be loose).
+            ranks = tuple(sorted({int(m) for m in found if m.isdecimal()}))
         # Every latency figure once, from the completed requests; the gated four become
         # fields, the rest go to ``extra``.
         figures = serve_figures(load.results, load.makespan)

@@ -366,7 +366,8 @@ def classify(
         zero = [i for i, c in enumerate(calls_per_repeat) if c <= 0]
         return "inconclusive", f"the policy was not invoked in repeat(s) {zero}"
     if any(math.isnan(v) for v in (throughput.low, latency_p95.high)):
-        return "inconclusive", "a delta could not be computed (zero baseline)"
+        return "inconclusive", ("a delta could not be computed (a zero baseline, or a "
+                                "figure an arm had no samples for)")
     thr = f"throughput {throughput.mean:+.2f}% [{throughput.low:+.2f}, {throughput.high:+.2f}]"
     lat = f"P95 latency {latency_p95.mean:+.2f}% [{latency_p95.low:+.2f}, {latency_p95.high:+.2f}]"
     if throughput.low > 0 and latency_p95.high <= P95_LATENCY_TOLERANCE_PCT:

@@ -822,7 +822,8 @@ def depth(value: object) -> int:
 def judge_report(data: bytes) -> tuple[str, tuple[str, ...], int | None]:
     """("accept", (), requests) or ("refuse", what the message must name, None), from the
     documented report rules: a JSON object, not deeply nested, an 'arms' list with exactly
-    one non-reference arm whose three counts are non-negative finite numbers."""
+    one non-reference arm whose three counts are non-negative finite numbers and whose
+    gated figures (throughput, TTFT and E2E P50/P95) are there, as numbers or null."""
     try:
         doc = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError):
@@ -846,9 +847,24 @@ def judge_report(data: bytes) -> tuple[str, tuple[str, ...], int | None]:
             and 0 <= v < math.inf
         )
     )
+    bad += tuple(f"expected {'.'.join(path)!r}" for path in FIGURES
+                 if not _figure_ok(online[0], path))
     if bad:
         return "refuse", bad, None
     return "accept", (), int(online[0]["requests"])
+
+
+FIGURES = (("throughput_output_tok_s",), ("ttft_s", "p50"), ("ttft_s", "p95"),
+           ("e2e_s", "p50"), ("e2e_s", "p95"))
+
+
+def _figure_ok(arm: dict[str, Any], path: tuple[str, ...]) -> bool:
+    node: Any = arm
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return node is None or (isinstance(node, int | float) and not isinstance(node, bool))
 
 
 def delete_a_key(draw: st.DrawFn, doc: Any, slots: list[tuple[tuple[Any, ...], Any]]) -> None:
