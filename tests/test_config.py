@@ -276,6 +276,51 @@ def test_a_malformed_value_a_later_source_replaces_is_refused(
     BidKVConfig.from_sources(clean, fixed)  # the well-formed pair is accepted
 
 
+@pytest.mark.parametrize(
+    ("budget", "long_prefill", "chunk", "victim"),
+    [(256, 0, 256, "A"), (8192, 256, 256, "A"), (8192, 0, 8192, "B")],
+)
+def test_the_prefill_chunk_is_the_engines_token_budget(
+    monkeypatch: pytest.MonkeyPatch, budget: int, long_prefill: int, chunk: int, victim: str
+) -> None:
+    """Without host facts a prefilling requester needs one prefill chunk's worth of blocks;
+    a step prefills at most the scheduler's ``max_num_batched_tokens`` of one request (and
+    at most ``long_prefill_token_threshold`` when it is set), so that is the chunk. With a
+    256-token budget the requester needs 16 blocks, which the small candidate A frees at
+    less recompute than B; with 8192 it needs 63, which only B frees (sufficiency first).
+    A fixed 2,048-token chunk chose B in all three engines."""
+
+    class Cache:
+        block_size = 16
+        enable_prefix_caching = False
+
+    class Scheduler:
+        max_num_batched_tokens = budget
+        long_prefill_token_threshold = long_prefill
+
+    class Vllm:
+        additional_config: ClassVar[dict[str, Any]] = {"bidkv": {"enabled": True}}
+        cache_config = Cache()
+        scheduler_config = Scheduler()
+
+    monkeypatch.setenv("BIDKV_UTILITY_PREFILL_CHUNK_TOKENS", "2048")  # the engine's wins
+    policy = BidkvPreemptionPolicy.from_vllm_config(Vllm())
+    assert policy.config.prefill_chunk_tokens == chunk
+    small = cand("A", computed=300, prompt=300, output=10)  # 19 blocks
+    large = cand("B", computed=1100, prompt=1100, output=10)  # 69 blocks
+    requester = cand("R", computed=0, prompt=1000)  # 1,000 prompt tokens still to prefill
+    context = ctx([small, large, requester], requester="R", builtin="R")
+    assert policy.select_victim(context) == victim
+
+
+def test_a_real_engine_config_gives_its_token_budget_as_the_chunk() -> None:
+    from bidkv_ext.hosts.vllm.offline import build_vllm_config
+
+    vllm_config, _ = build_vllm_config(num_gpu_blocks=64, max_num_batched_tokens=512)
+    policy = BidkvPreemptionPolicy.from_vllm_config(vllm_config)
+    assert policy.config.prefill_chunk_tokens == 512
+
+
 def test_from_vllm_config_ignores_values_that_are_not_engine_facts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -95,6 +95,9 @@ class BidKVConfig(BaseModel):
     shrink_page_weight: Weight = 1.0
     block_size: Annotated[int, Field(gt=0)] = 16
     prefix_caching: bool = True
+    # The most prompt tokens one step prefills for a request (a prefilling requester's
+    # need without host facts); on a vLLM engine its scheduler's token budget.
+    prefill_chunk_tokens: Annotated[int, Field(gt=0)] = 2048
 
     @field_validator("enabled", "kill_switch", "use_host_facts", "prefix_caching", mode="before")
     @classmethod

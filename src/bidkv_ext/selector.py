@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from bidkv_ext.config import BidKVConfig
 from bidkv_ext.contract import PreemptionContext, PreemptionContextFacts
@@ -143,16 +143,29 @@ class BidkvPreemptionPolicy:
 
 
 def _engine_facts(vllm_config: object) -> dict[str, Any]:
-    """Block size and prefix caching, read from the engine config when it is a real one.
+    """Block size, prefix caching and the prefill chunk, read from the engine config when
+    it is a real one.
 
     They describe the engine rather than the policy, so they override any configured value.
+    A step prefills at most ``max_num_batched_tokens`` of one request, and at most
+    ``long_prefill_token_threshold`` when that is set (> 0).
     """
     cache = getattr(vllm_config, "cache_config", None)
     facts: dict[str, Any] = {}
     block_size = getattr(cache, "block_size", None)
-    if isinstance(block_size, int) and block_size > 0:
+    if _positive_int(block_size):
         facts["block_size"] = block_size
     prefix = getattr(cache, "enable_prefix_caching", None)
     if isinstance(prefix, bool):
         facts["prefix_caching"] = prefix
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    budget = getattr(scheduler, "max_num_batched_tokens", None)
+    if _positive_int(budget):
+        long_prefill = getattr(scheduler, "long_prefill_token_threshold", None)
+        facts["prefill_chunk_tokens"] = (
+            min(budget, long_prefill) if _positive_int(long_prefill) else budget)
     return facts
+
+
+def _positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

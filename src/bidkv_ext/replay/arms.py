@@ -195,7 +195,8 @@ def _overrides(name: str) -> tuple[str, dict[str, object]]:
 
 
 # BidKV settings an engine supplies itself, with the replay option that sets them.
-_ENGINE_SETTINGS = {"block_size": "--block-size", "prefix_caching": "--[no-]prefix-caching"}
+_ENGINE_SETTINGS = {"block_size": "--block-size", "prefix_caching": "--[no-]prefix-caching",
+                    "prefill_chunk_tokens": "--max-num-batched-tokens"}
 
 
 def named_arm(name: str, seed: int) -> Arm:

@@ -117,7 +117,7 @@ class UtilityParams:
     cascade_gain_ratio: float
     use_host_facts: bool
     shrink_page_weight: float
-    prefill_chunk_tokens: int = 2048  # an engine fact, not a setting
+    prefill_chunk_tokens: int
 
     @classmethod
     def from_config(cls, config: object | None = None) -> UtilityParams:
