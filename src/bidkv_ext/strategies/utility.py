@@ -131,7 +131,7 @@ class UtilityParams:
 class UtilityStrategy:
     """``bidkv``: the candidate with the highest U = r / (delta + epsilon)."""
 
-    __slots__ = ("_lost_slope", "_shrinking", "last_index", "params")
+    __slots__ = ("_known", "_lost_slope", "_shrinking", "last_index", "params")
 
     name = "bidkv"
 
@@ -139,6 +139,9 @@ class UtilityStrategy:
         self.params = params or UtilityParams.from_config()
         self._shrinking = False
         self.last_index = -1
+        # Positions found during one decision, by object identity; one dict reused (the
+        # hot path allocates none per call).
+        self._known: dict[int, int] = {}
         p = self.params
         # Lower bound of lost tokens per computed token, used to prune (see module doc).
         self._lost_slope = p.recompute_weight * (
@@ -165,7 +168,8 @@ class UtilityStrategy:
         # Positions found along the way (by object identity), so that reporting where the
         # victim sits rarely needs another scan.
         # (candidate_index checks the tail, the host's FCFS victim, before any scan.)
-        known: dict[int, int] = {}
+        known = self._known
+        known.clear()
         requester = _locate(candidates, context.requesting_request_id, known)
         builtin = _locate(candidates, context.builtin_victim_id, known)
         if builtin is None and context.scheduling_policy == "priority":
