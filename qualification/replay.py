@@ -175,6 +175,10 @@ def arm_from_report(
         "recompute_tax": _number(entry, "recompute_tax"),
         "goodput_req_s": _number(entry, "goodput_req_s"),
         "ttft_p99": _number(entry, "ttft_s", "p99"),
+        "e2e_p99": _number(entry, "e2e_s", "p99"),
+        "tpot_p50": _number(entry, "tpot_s", "p50"),
+        "tpot_p95": _number(entry, "tpot_s", "p95"),
+        "tpot_p99": _number(entry, "tpot_s", "p99"),
         "conservation": dict(conservation) if isinstance(conservation, Mapping) else None,
     }
     enabled = ctrl.get("enabled")

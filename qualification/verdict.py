@@ -55,6 +55,10 @@ EXTRA_DELTA_METRICS = (
     "goodput_rps",
     "slo_goodput_rps",
     "goodput_req_s",
+    # Replay arms: what the policy is for (qualification.md §5: "and any other reported
+    # metric"); a zero baseline (no preemption) gives no ratio, which decides nothing.
+    "recompute_tax",
+    "preemptions_per_1k",
 )
 MIN_PAIRS = 3
 P95_LATENCY_TOLERANCE_PCT = 5.0

@@ -140,3 +140,25 @@ def test_the_recovery_gate_expects_the_token_the_default_prompt_asks_for() -> No
     assert workload.recovery_prompt.endswith(workload.recovery_expected)
     assert json.loads(WorkloadSpec(recovery_expected=None).model_dump_json())[
         "recovery_expected"] is None  # a profile may still accept any answer
+
+
+def test_replay_pairs_carry_deltas_of_the_policy_figures_and_all_latencies() -> None:
+    """qualification.md §5: a delta and interval for throughput and P95 latency "and any
+    other reported metric": a replay arm's report gives TPOT and E2E P99 too, and the
+    pair gets deltas of the recompute tax and the preemption rate, what the policy is for."""
+    from qualification.verdict import Pair
+
+    def arm(name: str, tax: float) -> Any:
+        doc = copy.deepcopy(REPORT)
+        entry = doc["arms"][0]
+        entry.update(recompute_tax=tax, preemptions_per_1k=tax * 1000,
+                     tpot_s={"p50": 0.01, "p95": 0.02, "p99": 0.03})
+        entry["e2e_s"]["p99"] = 3.0
+        return arm_from_report(name, doc, ["bidkv-replay"], 1.0, "r.json")
+
+    baseline, candidate = arm("baseline", 0.04), arm("candidate", 0.03)
+    assert (candidate.extra["tpot_p95"], candidate.extra["e2e_p99"]) == (0.02, 3.0)
+    pair = Pair("cell", 0, "baseline", baseline, candidate)
+    assert {"recompute_tax", "preemptions_per_1k", "tpot_p95", "e2e_p99"} <= set(pair.metrics())
+    assert pair.delta("recompute_tax") == pytest.approx(-25.0)
+    assert pair.delta("preemptions_per_1k") == pytest.approx(-25.0)
