@@ -108,23 +108,35 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _host_commit() -> str | None:
-    # vLLM-HUST builds expose their commit; stock wheels do not. An operator may declare it.
-    declared = os.environ.get("VLLM_HUST_COMMIT")
+def _declared(variable: str, what: str) -> str | None:
+    """An operator's declaration of a lane fact; printable text on one line."""
+    declared = os.environ.get(variable)
+    if declared and not declared.isprintable():  # a line break would break report.md
+        raise QualificationError(
+            f"{variable} {declared!r} is invalid: expected {what} (printable text on one "
+            "line)"
+        )
+    return declared or None
+
+
+def _commit(distribution: str, variable: str) -> str | None:
+    """The installed ``distribution``'s commit: declared in ``variable``, else from a VCS
+    install's ``direct_url.json`` (wheels from an index carry none)."""
+    declared = _declared(variable, f"the commit id of {distribution}")
     if declared:
-        if not declared.isprintable():  # undecodable bytes or a line break: report.md breaks
-            raise QualificationError(
-                f"VLLM_HUST_COMMIT {declared!r} is invalid: expected the host's commit id "
-                "(printable text on one line)"
-            )
         return declared
     try:
-        dist = importlib.metadata.distribution("vllm")
+        dist = importlib.metadata.distribution(distribution)
         text = dist.read_text("direct_url.json") or ""
     except importlib.metadata.PackageNotFoundError:
         return None
     marker = '"commit_id": "'
     return text.split(marker, 1)[1].split('"', 1)[0] if marker in text else None
+
+
+def _host_commit() -> str | None:
+    # vLLM-HUST builds expose their commit; stock wheels do not. An operator may declare it.
+    return _commit("vllm", "VLLM_HUST_COMMIT")
 
 
 def _accelerator_facts(kind: str) -> dict[str, object]:
@@ -143,6 +155,15 @@ def _accelerator_facts(kind: str) -> dict[str, object]:
         facts["devices"] = out.stdout.strip().splitlines()[:16]
     facts["torch"] = _dist_version("torch")
     facts["cuda"] = _torch_cuda()
+    if kind == "ascend":
+        # qualification.md §1: the Ascend host is vLLM-HUST core plus its Ascend plugin;
+        # every part's version and commit is recorded.
+        facts["vllm_ascend"] = {"version": _dist_version("vllm-ascend"),
+                                "commit": _commit("vllm-ascend", "VLLM_ASCEND_HUST_COMMIT")}
+        facts["torch_npu"] = _dist_version("torch-npu")
+    # The container image the lane ran in, when the operator names it (§1: "image digests
+    # recorded per lane"); nothing in the image says so itself.
+    facts["image_digest"] = _declared("QUALIFICATION_IMAGE_DIGEST", "the image digest")
     return facts
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import qualification.runner
+from qualification.errors import QualificationError
 from qualification.profile import load_profile
 from qualification.release import check_release
 from qualification.runner import build_record
@@ -85,3 +86,40 @@ def test_a_replay_record_does_not_qualify_a_release(tmp_path: Path) -> None:
     result = check_release(root, [tmp_path / "records"])
     assert not result.passed
     assert any("a CPU replay record is the CI gate" in p for p in result.problems), result
+
+
+def test_an_ascend_record_names_every_part_of_its_host_and_the_image(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """qualification.md §1: the Ascend host is vLLM-HUST core plus vllm-ascend-hust, with
+    exact commits and image digests recorded per lane: the record carries the Ascend
+    plugin's version and commit, torch_npu's version and the declared image digest (null
+    when undeclared, not left out); a digest with a line break is refused in one line."""
+    site = tmp_path / "site"
+    for name, version, extra in (
+        ("vllm_ascend", "0.11.0rc1", {"direct_url.json": json.dumps(
+            {"url": "https://example.invalid/vllm-ascend-hust.git",
+             "vcs_info": {"vcs": "git", "commit_id": "abc123"}})}),
+        ("torch_npu", "2.7.1", {}),
+    ):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+        for file, text in extra.items():
+            (info / file).write_text(text)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("QUALIFICATION_IMAGE_DIGEST", "sha256:" + "0" * 64)
+    record = build_record(load_profile("ascend-tp4"), [], 3)
+    accelerator = record["accelerator"]
+    assert isinstance(accelerator, dict)
+    assert accelerator["vllm_ascend"] == {"version": "0.11.0rc1", "commit": "abc123"}
+    assert accelerator["torch_npu"] == "2.7.1"
+    assert accelerator["image_digest"] == "sha256:" + "0" * 64
+    cuda = build_record(load_profile("cuda"), [], 3)["accelerator"]
+    assert isinstance(cuda, dict) and "vllm_ascend" not in cuda
+    monkeypatch.delenv("QUALIFICATION_IMAGE_DIGEST")
+    assert build_record(load_profile("cuda"), [], 3)["accelerator"]["image_digest"] is None  # type: ignore[index]
+    monkeypatch.setenv("QUALIFICATION_IMAGE_DIGEST", "sha256:0\nforged line")
+    with pytest.raises(QualificationError, match="QUALIFICATION_IMAGE_DIGEST"):
+        build_record(load_profile("cuda"), [], 3)
