@@ -15,7 +15,10 @@ itself, and a failing source's page model reads as ``None``.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -172,3 +175,55 @@ def test_one_signals_source_at_a_time() -> None:
     assert signals.current_page_model() is None
     with signals.signals_source(_Source(fail=True)):
         assert signals.current_page_model() is None  # a failing source never raises
+
+
+def _stub_host(held: dict[str, list[int]], pinned: set[int], hashed: set[int],
+               prefix_caching: bool) -> Any:
+    """What ``PolicySchedulerMixin._host_facts`` reads of a vLLM scheduler: the running
+    requests' blocks (one KV group; block 0 is vLLM's null block), nothing else."""
+    refs: Counter[int] = Counter(b for blocks in held.values() for b in blocks)
+    blocks = {b: SimpleNamespace(block_id=b, is_null=b == 0,
+                                 ref_cnt=refs[b] + (1 if b in pinned else 0),
+                                 block_hash=f"h{b}" if b in hashed else None)
+              for b in range(64)}
+    lists = {rid: SimpleNamespace(blocks=([blocks[b] for b in ids],))
+             for rid, ids in held.items()}
+    manager = SimpleNamespace(get_blocks=lists.__getitem__,
+                              block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0))
+    return SimpleNamespace(
+        kv_cache_manager=manager, block_size=16, num_lookahead_tokens=0, max_model_len=1 << 20,
+        running=[SimpleNamespace(request_id=rid, num_computed_tokens=0) for rid in held],
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_host_reads_pages_released_from_real_kvcached_while_it_shrinks(
+    kv: FakeKvcached, prefix_caching: bool
+) -> None:
+    """Without a registered page model (real kvcached, no replay), the CPU host fills each
+    candidate's ``pages_released`` from kvcached's own page occupancy, while kvcached
+    shrinks (the only time the policy weighs pages): the pages that the candidate's
+    exclusive blocks of KV group 0 empty. With prefix caching its cached blocks do not
+    count: they go to the evictable set and return memory only when evicted. Not
+    shrinking, or without kvcached pools, it stays unknown (``None``)."""
+    from bidkv_ext.hosts.vllm.scheduler import PolicySchedulerMixin
+
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))  # 16 blocks per page
+    held = {"a": list(range(16, 32)),  # all of page 1
+            "b": [*range(32, 40), 40],  # half of page 2; block 40 is shared with c
+            "c": [40, 48, 49]}  # page 3's only live blocks, and the shared 40
+    pool.allocated.update(b for blocks in held.values() for b in blocks)
+    host = _stub_host(held, pinned=set(), hashed={16}, prefix_caching=prefix_caching)
+    request = SimpleNamespace(request_id="a", num_computed_tokens=0)
+
+    def pages() -> dict[str, int | None]:
+        facts = PolicySchedulerMixin._host_facts(host, request, 0)  # type: ignore[arg-type]
+        return {rid: f.pages_released for rid, f in facts.facts.items()}
+
+    assert pages() == {"a": None, "b": None, "c": None}  # not shrinking
+    pool.in_shrink = True
+    # a empties page 1, unless its cached block 16 stays (prefix caching); b leaves its
+    # shared block 40 on page 2; c's blocks 48, 49 are page 3's only live ones.
+    assert pages() == {"a": 0 if prefix_caching else 1, "b": 0, "c": 1}
+    kv.registry.pools.clear()
+    assert pages() == {"a": None, "b": None, "c": None}  # no kvcached pool

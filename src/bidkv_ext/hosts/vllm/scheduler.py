@@ -126,6 +126,37 @@ def _candidate_facts(
     }
 
 
+def _kvcached_pages(
+    manager: KVCacheManager, running: Sequence[Request], facts: dict[str, CandidateFacts],
+    prefix_caching: bool,
+) -> dict[str, CandidateFacts]:
+    """``facts`` with real kvcached's ``pages_released`` while it shrinks (the only time
+    the policy weighs pages; one page-occupancy query per candidate), else as they are.
+
+    A preemption returns to kvcached at once the candidate's exclusive blocks of KV group 0
+    that are not cached: with prefix caching, cached ones go to the evictable set first and
+    return memory only when evicted (kvcached-notes.md §3, §9).
+    """
+    from kvcached_provider.signals import current_signals, pages_released
+
+    signals = current_signals()
+    if signals is None or not signals.in_shrink:
+        return facts
+    out: dict[str, CandidateFacts] = {}
+    for request in running:
+        groups = manager.get_blocks(request.request_id).blocks
+        ids = [b.block_id for b in (groups[0] if groups else ())
+               if not b.is_null and b.ref_cnt == 1
+               and not (prefix_caching and b.block_hash is not None)]
+        pages = pages_released(ids)
+        if pages is None:  # no kvcached pool that reports page occupancy
+            return facts
+        fact = facts[request.request_id]
+        out[request.request_id] = CandidateFacts(
+            fact.exclusive_blocks, fact.cached_blocks, fact.total_blocks, pages)
+    return out
+
+
 class PolicySchedulerMixin:
     """The adapter half: owns the controller and answers the rewritten ``schedule``.
 
@@ -207,17 +238,24 @@ class PolicySchedulerMixin:
         free, as the allocator evicts them). Multi-group models and sliding-window frees
         are not modelled.
 
-        ``pages_released`` is filled only when a capacity-signals source with a page model
+        ``pages_released`` is filled when a capacity-signals source with a page model
         is registered (the replay's elastic pool): the pages on which every block held by a
         running request (or the null block) is exclusive to the candidate, i.e. pages
         whose blocks would all be free or reserved after preempting it. Cost: one more
-        pass over the same blocks, O(blocks of running requests).
+        pass over the same blocks, O(blocks of running requests). Without one, under real
+        kvcached, it is filled while kvcached shrinks, from kvcached's own page occupancy
+        (:func:`_kvcached_pages`).
         """
         from kvcached_provider.signals import current_page_model
 
         model = current_page_model()
         facts = _candidate_facts(self.kv_cache_manager, self.running,
                                  model.blocks_per_page if model is not None else 0)
+        if model is None:
+            prefix_caching = bool(getattr(getattr(self, "cache_config", None),
+                                          "enable_prefix_caching", False))
+            facts = _kvcached_pages(self.kv_cache_manager, self.running, facts,
+                                    prefix_caching)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
         # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
         # near the end of a request would otherwise count a block it will not get).
