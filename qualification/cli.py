@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from qualification.errors import QualificationError, one_line
 from qualification.profile import MAX_REPEATS, PROFILE_DIR, ManagerSpec, load_profile
@@ -28,8 +29,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECORDS = REPO_ROOT / "qualification" / "records"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its refusals on one line, like every other refusal of this tool (the
+    sub-commands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.splitlines())} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qualification", description=__doc__)
+    parser = _Parser(prog="python -m qualification", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a profile's paired arms and write the record")
     run.add_argument("profile", help=f"a profile name ({PROFILE_DIR}) or a .toml path")

@@ -156,11 +156,11 @@ def check_refused(outcome: Outcome, any_of: Sequence[str], *, usage: bool = Fals
     assert outcome.out == "", f"a refused command printed {outcome.out!r}"
     assert "Traceback" not in outcome.err, outcome.err
     lines = outcome.err.splitlines()
-    if usage:
-        assert lines and lines[0].startswith("usage: "), outcome.err
-        found = USAGE_ERROR.match(lines[-1])
+    if usage:  # argparse's own refusals: one line too, no usage block
+        assert len(lines) == 1, f"not one line: {outcome.err!r}"
+        found = USAGE_ERROR.match(lines[0])
         assert found is not None, outcome.err
-        message = lines[-1][found.end() :]
+        message = lines[0][found.end() :]
     else:
         assert len(lines) == 1 and outcome.err.endswith("\n"), f"not one line: {outcome.err!r}"
         assert lines[0].startswith(ERROR), outcome.err
