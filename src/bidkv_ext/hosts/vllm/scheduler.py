@@ -18,7 +18,6 @@ from typing import Any
 
 import vllm
 from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched import scheduler as _sched_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -104,11 +103,12 @@ def _page_counts(
     return mine
 
 
-def _candidate_facts(
-    manager: KVCacheManager, running: Sequence[Request], per_page: int,
-) -> dict[str, CandidateFacts]:
+# Each running request's blocks, per KV-cache group, read once per decision.
+_Held = dict[str, Sequence[Sequence[KVCacheBlock]]]
+
+
+def _candidate_facts(held: _Held, per_page: int) -> dict[str, CandidateFacts]:
     """Block counts of every running request, and with ``per_page`` its released pages."""
-    held = {r.request_id: manager.get_blocks(r.request_id).blocks for r in running}
     counts = {rid: _block_counts(groups) for rid, groups in held.items()}
     if not per_page:
         return {rid: CandidateFacts(*c) for rid, c in counts.items()}
@@ -127,8 +127,7 @@ def _candidate_facts(
 
 
 def _kvcached_pages(
-    manager: KVCacheManager, running: Sequence[Request], facts: dict[str, CandidateFacts],
-    prefix_caching: bool,
+    held: _Held, facts: dict[str, CandidateFacts], prefix_caching: bool,
 ) -> dict[str, CandidateFacts]:
     """``facts`` with real kvcached's ``pages_released`` while it shrinks (the only time
     the policy weighs pages; one page-occupancy query per candidate), else as they are.
@@ -143,16 +142,15 @@ def _kvcached_pages(
     if signals is None or not signals.in_shrink:
         return facts
     out: dict[str, CandidateFacts] = {}
-    for request in running:
-        groups = manager.get_blocks(request.request_id).blocks
+    for rid, groups in held.items():
         ids = [b.block_id for b in (groups[0] if groups else ())
                if not b.is_null and b.ref_cnt == 1
                and not (prefix_caching and b.block_hash is not None)]
         pages = pages_released(ids)
         if pages is None:  # no kvcached pool that reports page occupancy
             return facts
-        fact = facts[request.request_id]
-        out[request.request_id] = CandidateFacts(
+        fact = facts[rid]
+        out[rid] = CandidateFacts(
             fact.exclusive_blocks, fact.cached_blocks, fact.total_blocks, pages)
     return out
 
@@ -249,13 +247,14 @@ class PolicySchedulerMixin:
         from kvcached_provider.signals import current_page_model
 
         model = current_page_model()
-        facts = _candidate_facts(self.kv_cache_manager, self.running,
-                                 model.blocks_per_page if model is not None else 0)
+        manager = self.kv_cache_manager
+        blocks: _Held = {r.request_id: manager.get_blocks(r.request_id).blocks
+                         for r in self.running}
+        facts = _candidate_facts(blocks, model.blocks_per_page if model is not None else 0)
         if model is None:
             prefix_caching = bool(getattr(getattr(self, "cache_config", None),
                                           "enable_prefix_caching", False))
-            facts = _kvcached_pages(self.kv_cache_manager, self.running, facts,
-                                    prefix_caching)
+            facts = _kvcached_pages(blocks, facts, prefix_caching)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
         # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
         # near the end of a request would otherwise count a block it will not get).
