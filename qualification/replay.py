@@ -140,7 +140,7 @@ def _figure(entry: Mapping[str, object], source: str, *keys: str) -> float:
             f"bidkv-replay report {source}: arm {entry.get('label')!r}: expected "
             f"{'.'.join(keys)!r} to be a number or null, got {node!r}"
         )
-    return _number(entry, *keys)
+    return _number(node)  # the leaf already found: NaN for null, inf past float's range
 
 
 def arm_from_report(
