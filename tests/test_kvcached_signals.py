@@ -227,3 +227,32 @@ def test_the_host_reads_pages_released_from_real_kvcached_while_it_shrinks(
     assert pages() == {"a": 0 if prefix_caching else 1, "b": 0, "c": 1}
     kv.registry.pools.clear()
     assert pages() == {"a": None, "b": None, "c": None}  # no kvcached pool
+
+
+def test_one_decision_queries_kvcached_once(kv: FakeKvcached) -> None:
+    """Under real kvcached the host reads the capacity signals for ``pages_released`` and
+    passes their shrink state on (``facts.in_shrink``), so the policy does not query the
+    driver a second time in the same decision: one physical-page query per pool, shrinking
+    or not."""
+    from bidkv_ext.config import BidKVConfig
+    from bidkv_ext.hosts.vllm.scheduler import PolicySchedulerMixin
+    from bidkv_ext.selector import BidkvPreemptionPolicy
+    from tests.policy_helpers import cand, ctx
+
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))
+    held = {"a": list(range(16, 32)), "b": [*range(32, 40)]}
+    pool.allocated.update(b for blocks in held.values() for b in blocks)
+    host = _stub_host(held, pinned=set(), hashed=set(), prefix_caching=False)
+    request = SimpleNamespace(request_id="b", num_computed_tokens=0)
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, prefix_caching=False))
+    cands = [cand("a", computed=256, output=10), cand("b", computed=128, output=10)]
+    for shrinking in (False, True):
+        pool.in_shrink = shrinking
+        before = pool.page_allocator.physical_queries
+        facts = PolicySchedulerMixin._host_facts(host, request, 0)  # type: ignore[arg-type]
+        assert facts.in_shrink is shrinking
+        assert policy.select_victim_with_facts(ctx(cands, requester="b"), facts) in ("a", "b")
+        assert pool.page_allocator.physical_queries - before == 1
+    kv.registry.pools.clear()
+    assert PolicySchedulerMixin._host_facts(
+        host, request, 0).in_shrink is False  # type: ignore[arg-type]

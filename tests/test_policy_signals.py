@@ -8,6 +8,8 @@ only the source of the numbers, not the policy's code path).
 
 from __future__ import annotations
 
+import dataclasses
+
 from bidkv_ext.config import BidKVConfig
 from bidkv_ext.contract import CandidateFacts, PreemptionContextFacts
 from bidkv_ext.selector import BidkvPreemptionPolicy
@@ -59,3 +61,15 @@ def test_signals_without_shrink_or_without_page_counts_change_nothing() -> None:
         assert choose(FACTS) == "spread"
     with signals_source(Source(in_shrink=True)):
         assert choose(None) == "spread"
+
+
+def test_the_hosts_shrink_state_stands_for_the_signals() -> None:
+    """A host that already read the capacity signals for this decision passes their shrink
+    state in ``facts.in_shrink``; the policy uses it instead of reading them again (and
+    reads them itself only when it is ``None``)."""
+    told_shrinking = dataclasses.replace(FACTS, in_shrink=True)
+    told_steady = dataclasses.replace(FACTS, in_shrink=False)
+    assert choose(told_shrinking) == "packed"  # no source registered: the host's word
+    with signals_source(Source(in_shrink=True)):
+        assert choose(told_steady) == "spread"
+        assert choose(FACTS) == "packed"  # None: the policy reads the source

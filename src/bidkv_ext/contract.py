@@ -36,6 +36,9 @@ untouched. The fields are:
     elastic KV (kvcached) leave it ``None``.
 ``needed_blocks`` (context level, :attr:`PreemptionContextFacts.needed_blocks`)
     How many blocks the requester still lacks for this step (the shortfall).
+``in_shrink`` (context level, optional)
+    Whether the elastic pool is shrinking, when the host read kvcached's capacity
+    signals for this decision anyway; ``None`` leaves the reading to the policy.
 """
 
 from __future__ import annotations
@@ -130,11 +133,17 @@ class CandidateFacts:
 
 @dataclass(frozen=True, slots=True)
 class PreemptionContextFacts:
-    """Optional per-decision facts: block size, shortfall and per-candidate block counts."""
+    """Optional per-decision facts: block size, shortfall and per-candidate block counts.
+
+    ``in_shrink`` is the elastic pool's shrink state when the host already read the
+    capacity signals for this decision (``None``: it did not, and a policy that weighs pages
+    reads them itself), so one decision queries the driver once.
+    """
 
     block_size: int
     needed_blocks: int
     facts: Mapping[str, CandidateFacts] = field(default_factory=dict)
+    in_shrink: bool | None = None
 
 
 _request_id = attrgetter("request_id")

@@ -179,7 +179,7 @@ class UtilityStrategy:
         need = self._needed_blocks(self._asker(requester, candidates, context), facts)
         # Page awareness needs the host's per-candidate page counts and a live shrink;
         # without either the score is exactly the plain one.
-        self._shrinking = facts is not None and _capacity_shrinking()
+        self._shrinking = facts is not None and _capacity_shrinking(facts)
         window: Sequence[PreemptionCandidate]
         if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
             window, builtin = self._bounded(candidates, need, known, builtin, requester)
@@ -431,7 +431,9 @@ class UtilityStrategy:
         return max(1, -(-chunk // self.params.block_size))
 
 
-def _capacity_shrinking() -> bool:
+def _capacity_shrinking(facts: PreemptionContextFacts) -> bool:
+    if facts.in_shrink is not None:  # the host read the signals for this decision
+        return facts.in_shrink
     signals = current_signals()
     return signals is not None and signals.in_shrink
 

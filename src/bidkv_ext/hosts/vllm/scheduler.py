@@ -128,9 +128,10 @@ def _candidate_facts(held: _Held, per_page: int) -> dict[str, CandidateFacts]:
 
 def _kvcached_pages(
     held: _Held, facts: dict[str, CandidateFacts], prefix_caching: bool,
-) -> dict[str, CandidateFacts]:
+) -> tuple[dict[str, CandidateFacts], bool]:
     """``facts`` with real kvcached's ``pages_released`` while it shrinks (the only time
-    the policy weighs pages; one page-occupancy query per candidate), else as they are.
+    the policy weighs pages; one page-occupancy query per candidate), else as they are;
+    and whether it shrinks, which the policy then need not query again.
 
     A preemption returns to kvcached at once the candidate's exclusive blocks of KV group 0
     that are not cached: with prefix caching, cached ones go to the evictable set first and
@@ -140,7 +141,7 @@ def _kvcached_pages(
 
     signals = current_signals()
     if signals is None or not signals.in_shrink:
-        return facts
+        return facts, False
     out: dict[str, CandidateFacts] = {}
     for rid, groups in held.items():
         ids = [b.block_id for b in (groups[0] if groups else ())
@@ -148,11 +149,11 @@ def _kvcached_pages(
                and not (prefix_caching and b.block_hash is not None)]
         pages = pages_released(ids)
         if pages is None:  # no kvcached pool that reports page occupancy
-            return facts
+            return facts, True
         fact = facts[rid]
         out[rid] = CandidateFacts(
             fact.exclusive_blocks, fact.cached_blocks, fact.total_blocks, pages)
-    return out
+    return out, True
 
 
 class PolicySchedulerMixin:
@@ -251,10 +252,11 @@ class PolicySchedulerMixin:
         blocks: _Held = {r.request_id: manager.get_blocks(r.request_id).blocks
                          for r in self.running}
         facts = _candidate_facts(blocks, model.blocks_per_page if model is not None else 0)
+        in_shrink: bool | None = None  # with a page model the policy reads the signals
         if model is None:
             prefix_caching = bool(getattr(getattr(self, "cache_config", None),
                                           "enable_prefix_caching", False))
-            facts = _kvcached_pages(blocks, facts, prefix_caching)
+            facts, in_shrink = _kvcached_pages(blocks, facts, prefix_caching)
         held = facts[request.request_id].total_blocks if request.request_id in facts else 0
         # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
         # near the end of a request would otherwise count a block it will not get).
@@ -264,7 +266,8 @@ class PolicySchedulerMixin:
         )
         required = -(-tokens // self.block_size) - held
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        return PreemptionContextFacts(self.block_size, max(0, required - free), facts)
+        return PreemptionContextFacts(
+            self.block_size, max(0, required - free), facts, in_shrink)
 
     def shutdown(self) -> None:
         self.controller.emit_effective()
