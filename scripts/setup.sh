@@ -43,6 +43,10 @@ if [ ! -e "$VENV/bin/python" ] && [ ! -L "$VENV/bin/python" ]; then
     done
     [ -n "$PY" ] || die "needs Python 3.11 to build $VENV (tried $tried); install it or set PYTHON=/path/to/python3.11"
     "$PY" -m venv "$VENV"
+elif [ -n "${PYTHON:-}" ]; then
+    # Not an error: rerunning set-up with the same PYTHON is normal. But a PYTHON meant to
+    # rebuild the venv would otherwise be ignored without a word.
+    echo "setup: PYTHON=$PYTHON is not used: $VENV already exists and is reused (remove it to rebuild with that Python)" >&2
 fi
 # A venv left half-built (interrupted, or no ensurepip) or made by another Python is refused,
 # not patched over.

@@ -214,6 +214,19 @@ def _dirname_only(where: Path) -> Path:
     return bin_dir
 
 
+def test_setup_says_when_it_reuses_a_venv_instead_of_python(tree: Path) -> None:
+    """PYTHON only builds a new venv: with one already there, set-up reuses it and says
+    in one line that PYTHON was not used, instead of ignoring it without a word."""
+    proc, calls = _run(tree, "scripts/setup.sh", BIDKV_SETUP_ONLY="1", PYTHON="python3.12")
+    assert proc.returncode == 0, proc.stderr
+    assert _setup_steps(calls) == EXPECTED_SETUP[:-1]
+    said = [line for line in proc.stderr.splitlines() if "PYTHON" in line]
+    assert said == [f"setup: PYTHON=python3.12 is not used: {tree.parent / 'stub venv'} "
+                    "already exists and is reused (remove it to rebuild with that Python)"]
+    proc, _ = _run(tree, "scripts/setup.sh", BIDKV_SETUP_ONLY="1")
+    assert "PYTHON" not in proc.stderr
+
+
 def test_setup_without_python_on_path_says_which_were_tried(tree: Path) -> None:
     bin_dir = _dirname_only(tree.parent)
     _executable(bin_dir / "python3.11", "#!/bin/sh\necho 3.10\n")
