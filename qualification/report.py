@@ -186,8 +186,8 @@ def _raw_table(outcomes: Sequence[CellOutcome]) -> list[str]:
 
 def procedure_notes(outcomes: Sequence[CellOutcome]) -> list[str]:
     """Every arm whose engine children did not carry the policy's ``BIDKV_UTILITY_*``
-    environment (qualification.md §2 step 4). Reported, not gated: §6 gates the
-    policy-enabled gauge that this leads to, not the environment itself."""
+    environment (qualification.md §2 step 4). The policy-enabled-and-invoked gate fails on
+    them too (BidKV without its environment is loaded, so reported enabled, but inert)."""
     notes = []
     for o in outcomes:
         for p in o.pairs:

@@ -320,10 +320,23 @@ def _enabled_and_invoked_gate(pairs: Sequence[Pair]) -> GateResult:
         f"repeat {p.repetition} baseline: {p.baseline.counters['selections']} selection(s)"
         for p in pairs
         if p.baseline.counters is not None and p.baseline.counters.get("selections", 0) > 0
+    ] + [
+        # The host reports a loaded policy as enabled, but without its BIDKV_UTILITY_*
+        # variables in the engine child BidKV is inert: it abstains on every call, so the
+        # counters alone look healthy (§2 step 4 is what proves what it ran with).
+        f"repeat {p.repetition} candidate: policy environment missing in the engine child "
+        "(the policy ran inert, abstaining on every call)"
+        for p in pairs
+        if _environment_status(p.candidate) == "missing"
     ]
     if pairs and not any(p.candidate.invoked for p in pairs):
         faults.append("the policy was never invoked in any candidate arm")
     return _gate("policy-enabled-and-invoked", faults)
+
+
+def _environment_status(arm: ArmResult) -> object:
+    env = arm.procedure.get("policy_environment")
+    return env.get("status") if isinstance(env, Mapping) else None
 
 
 def evaluate_gates(

@@ -183,8 +183,8 @@ def test_a_child_without_the_policy_environment_and_a_missing_snapshot_tool_are_
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Without the allowlist the engine server holds BIDKV_UTILITY_* but its child does
-    not: the record, report.md and the run's output say so (the policy-enabled gate
-    fails on the gauge it leads to, §6 gate 8); a snapshot command not on the machine is
+    not: the record, report.md and the run's output say so, and the policy-enabled gate
+    fails; a snapshot command not on the machine is
     recorded as missing and the arms still run to the end."""
     missing = str(tmp_path / "no-such-smi")
     code, record = _run(tmp_path, [missing], "{}")

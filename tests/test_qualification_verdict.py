@@ -321,3 +321,23 @@ def test_identical_arms_are_neutral() -> None:
     thr = outcome.deltas["throughput"]
     assert (thr.low, thr.high) == (0.0, 0.0)
     assert outcome.label == "neutral"
+
+
+@pytest.mark.parametrize("status", ["missing", "carried", "no-engine-child", "unavailable"])
+def test_a_candidate_without_its_policy_environment_fails_the_enabled_gate(status: str) -> None:
+    """BidKV loaded without its BIDKV_UTILITY_* variables in the engine child is inert:
+    the host still reports it enabled and counts its calls (all abstentions), so the
+    gate must read §2 step 4's environment check: ``missing`` fails it; a carried
+    environment, or a check that could not be made, does not."""
+    inert = {"calls": 10, "selections": 0, "abstentions": 10, "failures": 0,
+             "invalid_selections": 0}
+    pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)], counters=inert,
+                   procedure={"policy_environment": {"status": status, "detail": "x"}})
+    gate = {g.name: g for g in evaluate_cell(
+        "cell", pairs, cancel_bound_s=None, tensor_parallel_size=1).gates
+    }["policy-enabled-and-invoked"]
+    if status == "missing":
+        assert gate.status == "fail"
+        assert "repeat 2 candidate: policy environment missing in the engine child" in gate.detail
+    else:
+        assert gate.status == "pass"

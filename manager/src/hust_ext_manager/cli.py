@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -322,6 +323,22 @@ def _is_vllm_serve(command: Sequence[str]) -> bool:
     return len(command) > 1 and os.path.basename(command[0]) == "vllm" and command[1] == "serve"
 
 
+def _adapter_command(
+    bundle: InstalledBundle, state: State, command: Sequence[str], policy: str
+) -> str:
+    """``command`` as the stock-vLLM adapter runs it: with the bundle's activation
+    environment (without it the policy may load inert) and its additional config."""
+    generated = provider.plan(
+        bundle, state.configuration(bundle.bundle_id), enabled=True
+    )["generated_config"]
+    config = {**generated.get("additional_config", {}), "preemption_policy": policy}
+    environment = [f"{k}={shlex.quote(str(v))}"
+                   for k, v in sorted(generated.get("environment", {}).items())]
+    options = ["--scheduler-cls", _ADAPTER_SCHEDULER, "--additional-config", json.dumps(config)]
+    return shlex.join([*command, *options]) if not environment else (
+        " ".join(environment) + " " + shlex.join([*command, *options]))
+
+
 def _refuse(
     bundle: InstalledBundle,
     state: State,
@@ -342,12 +359,11 @@ def _refuse(
         and _is_vllm_serve(command)
         and not provider.host_has_preemption_contract(manifest.host.name)
     ):
-        adapter_config = json.dumps({"preemption_policy": policy})
         raise ValueError(
             f"refusing to launch {bundle_id!r}: the installed vLLM lacks the "
             f"vllm.preemption-policy contract ({provider.CONTRACT_FILE}), so 'vllm serve' has "
             f"no --preemption-policy flag; use the stock-vLLM adapter instead: "
-            f"--scheduler-cls {_ADAPTER_SCHEDULER} --additional-config '{adapter_config}'"
+            f"{_adapter_command(bundle, state, command, policy)}"
         )
     if assessed["failed_checks"]:
         raise ValueError(
