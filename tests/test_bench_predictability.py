@@ -139,3 +139,36 @@ def test_bundled_sample_and_a_small_mooncake_file(tmp_path: Path,
     assert rows[0][1:] == rows[1][1:]  # same file, same seed: same figures
     moon_prompt, moon_k = float(rows[2][4]), float(rows[2][3])
     assert moon_prompt > moon_k  # the prompt tells long from short here
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_trace_too_short_to_split_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: int
+) -> None:
+    """Fitted on the first half and scored on the second: a one-row trace crashed with an
+    IndexError traceback (an empty half to sample from)."""
+    from bidkv_ext.replay.cli import SAMPLE_TRACE
+
+    head = SAMPLE_TRACE.read_text().splitlines()[:rows + 1]
+    (tmp_path / pr.CONV).write_text("\n".join(head) + "\n")
+    assert pr.main(["--traces", str(tmp_path), "--no-readme"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{pr.CONV}: {rows} usable request(s), expected at least 4" in err
+
+
+def test_the_readme_line_names_the_options_the_table_was_made_with(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The README section's command carries every option that differs from its default
+    (it was a fixed string, so a table made with --horizon 64 said it came from the
+    default command)."""
+    written: dict[str, str] = {}
+    monkeypatch.setattr(pr, "write_section", lambda name, text: written.update({name: text}))
+    monkeypatch.setattr(pr, "load_trace", lambda path: _requests(
+        [(100 + 37 * i % 900, 10 + i % 50) for i in range(60)]))
+    assert pr.main(["--traces", str(tmp_path), "--samples", "200", "--horizon", "64"]) == 0
+    line = written["predictability"].splitlines()[0]
+    assert line.startswith("`.venv/bin/python benchmarks/replay/predictability.py "
+                           f"--samples 200 --horizon 64 --traces {tmp_path}`")
+    assert "horizon 64 tokens, max_model_len 32,768" in line

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -262,3 +263,38 @@ def test_capture_against_builtin() -> None:
     assert run._captures(arms, floor) == (
         "oracle-gap capture tax 0.75; recovered tax 0.50; "
         "oracle-gap capture P99 TTFT 0.50; recovered P99 TTFT n/a")
+
+
+def test_a_rollout_horizon_or_width_of_its_own_names_its_own_reports() -> None:
+    """``headroom.py --reuse`` finds reports by their folder tag: a rollout with another
+    horizon or width must not be tagged (and its README section named) as the standard
+    one, or reports made at one horizon would be re-rendered as another's."""
+    import headroom
+
+    def variant(**kw: object) -> str:
+        args = dict(suite="rollout", objective="tax", samples=0, known=0.0,
+                    horizon=headroom.STANDARD_HORIZON, width=headroom.STANDARD_WIDTH)
+        args.update(kw)
+        return headroom._variant(SimpleNamespace(**args))
+
+    assert variant() == ""
+    assert variant(horizon=5.0) == "-horizon5"
+    assert variant(width=1) == "-width1"
+    assert variant(horizon=5.0, width=1, samples=2) == "-sampled-horizon5-width1"
+    assert variant(suite="pc", horizon=5.0) == ""  # only the rollout suites read them
+
+
+@pytest.mark.parametrize(("cells", "says"), [
+    ("code-heavy,typo", "--cells: typo not among slices's cells"),
+    ("code-heavy", "--cells runs part of the suite: add --no-write"),
+])
+def test_cells_refuses_unknown_names_and_a_partial_readme_table(cells: str, says: str) -> None:
+    """``run.py --cells`` used to drop unknown names without a word and then replace the
+    README's whole section with the cells that were left."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "replay" / "run.py"), "slices",
+         "--cells", cells], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith(f"run.py: error: {says}")

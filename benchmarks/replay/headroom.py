@@ -690,12 +690,22 @@ def _export_rollout_knobs(args: argparse.Namespace) -> None:
     os.environ["BIDKV_ROLLOUT_KNOWN"] = str(args.known)
 
 
+# The horizon and width the README's rollout tables were made with: other values name
+# their own report folders and README sections (--reuse must not pass off reports made
+# with one horizon as another's).
+STANDARD_HORIZON = 20.0
+STANDARD_WIDTH = 4
+
+
 def _variant(args: argparse.Namespace) -> str:
     """The suffix naming a rollout variant in report folders and README markers."""
     rollout = args.suite.startswith("rollout")
     return (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
         "-sampled" if rollout and args.samples > 0 else "") + (
-        f"-known{args.known:g}" if args.known else "")
+        f"-known{args.known:g}" if args.known else "") + (
+        f"-horizon{args.horizon:g}" if rollout and args.horizon != STANDARD_HORIZON
+        else "") + (
+        f"-width{args.width}" if rollout and args.width != STANDARD_WIDTH else "")
 
 
 def _suite_table(suite: str, results: dict[str, list[Arms]], starts: Sequence[int]) -> str:

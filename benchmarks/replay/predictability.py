@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import random
+import shlex
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from run import CODE, CONV, MOON, write_section  # noqa: E402
+
+DEFAULT_TRACES = ROOT.parents[1].parent / "shared" / "traces"
 
 # Output-so-far buckets: powers of two, since the residual's spread grows with k.
 K_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -257,10 +260,24 @@ def table(scores: Sequence[TraceScores], horizon: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+MIN_REQUESTS = 4
+
+
+def _given_options(args: argparse.Namespace) -> list[str]:
+    """The options that differ from their defaults, as a command line would give them."""
+    given = []
+    defaults = {"samples": 100_000, "horizon": 32, "max_model_len": 32768, "seed": 0}
+    for name, default in defaults.items():
+        if getattr(args, name) != default:
+            given += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.traces != DEFAULT_TRACES:
+        given += ["--traces", str(args.traces)]
+    return given
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--traces", type=Path,
-                        default=ROOT.parents[1].parent / "shared" / "traces")
+    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     parser.add_argument("--samples", type=int, default=100_000,
                         help="scored moments and pairs per trace (default 100,000)")
     parser.add_argument("--horizon", type=int, default=32,
@@ -279,15 +296,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TraceError as exc:  # names the file and what was expected, in one line
             print(f"predictability: error: {exc}", file=sys.stderr)
             return 2
+        if len(requests) < MIN_REQUESTS:
+            # Fitted on the first half, scored on the second: each needs requests.
+            print(f"predictability: error: {args.traces / name}: {len(requests)} usable "
+                  f"request(s), expected at least {MIN_REQUESTS} (half to fit, half to "
+                  "score)", file=sys.stderr)
+            return 2
         scores.append(score_trace(name, requests, samples=args.samples,
                                   horizon=args.horizon, max_model_len=args.max_model_len,
                                   seed=args.seed))
     text = table(scores, args.horizon)
     print(text, end="")
     if not args.no_readme:
-        command = ".venv/bin/python benchmarks/replay/predictability.py"
+        command = shlex.join([".venv/bin/python", "benchmarks/replay/predictability.py",
+                              *_given_options(args)])
         write_section("predictability", f"`{command}` (seed {args.seed}, "
-                      f"{args.samples:,} samples per trace):\n\n{text}")
+                      f"{args.samples:,} samples per trace, horizon {args.horizon} tokens, "
+                      f"max_model_len {args.max_model_len:,}):\n\n{text}")
     return 0
 
 

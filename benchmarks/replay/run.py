@@ -559,8 +559,14 @@ def main() -> int:
     args = parser.parse_args()
     wanted = set(args.cells.split(",")) if args.cells else None
     cells = [c for c in SUITE_CELLS[args.suite] if wanted is None or c.name in wanted]
-    if not cells:
-        parser.error(f"--cells: none of {sorted(wanted or ())} is a cell name")
+    if wanted is not None:
+        unknown = sorted(wanted - {c.name for c in SUITE_CELLS[args.suite]})
+        if unknown:
+            parser.error(f"--cells: {', '.join(unknown)} not among {args.suite}'s cells "
+                         f"({', '.join(c.name for c in SUITE_CELLS[args.suite])})")
+        if len(cells) < len(SUITE_CELLS[args.suite]) and not args.no_write:
+            # The README section holds the whole suite under the command without --cells.
+            parser.error("--cells runs part of the suite: add --no-write")
     if args.suite == "slices":
         text = run_slices(args.suite, args.traces, cells, args.out, reuse=args.reuse)
     else:
