@@ -147,6 +147,32 @@ def test_candidate_gains_policy_flag_and_environment(
     assert plan["manager_dry_run"]["baseline"]["command"] == command
 
 
+@needs_manager
+def test_a_cuda_profile_on_stock_vllm_runs_the_candidate_through_the_adapter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the README tells a stock-vLLM user: the cuda profile with ``scheduler_cls``
+    naming our adapter and the contract version declared. The manager then launches the
+    candidate (no refusal) with the policy in ``--additional-config`` and its environment;
+    the baseline runs the same adapter with no policy."""
+    text = (PROFILE_DIR / "cuda.toml").read_text()
+    text = text.replace('command = ["vllm", "serve"]', 'command = ["vllm", "serve"]\n'
+                        'scheduler_cls = "bidkv_ext.hosts.vllm.policy_scheduler"')
+    text = text.replace("configuration = {}", 'configuration = { protocol_versions = { '
+                        '"vllm.preemption-policy" = "1.0" } }')
+    variant = tmp_path / "cuda-stock.toml"
+    variant.write_text(text)
+    rendered = _plan(str(variant), capsys, repeats=1)["manager_dry_run"]
+    command = [*EXPECTED["cuda"][0], "--scheduler-cls", "bidkv_ext.hosts.vllm.policy_scheduler"]
+    candidate = rendered["candidate"]
+    assert "refused" not in candidate
+    assert candidate["command"] == [
+        *command, "--additional-config",
+        '{"preemption_policy":"bidkv_ext.selector.BidkvPreemptionPolicy"}']
+    assert candidate["environment"] == POLICY_ENV
+    assert rendered["baseline"]["command"] == command
+
+
 def test_eager_and_block_budget_variants(tmp_path: Path) -> None:
     from qualification.serve import serve_command
 

@@ -26,6 +26,7 @@ from hust_ext_manager.launch import (
     LaunchPlan,
     check_grace,
     ignoring_signals,
+    last_value,
     merge_additional_config,
     merge_flag,
     merge_option,
@@ -42,7 +43,16 @@ from hust_ext_manager.state import ExtensionState, State, load_state, mutate_sta
 
 __all__ = ["main"]
 
+# The stock-vLLM adapter (bidkv_ext.hosts.vllm): stock vLLM has no --preemption-policy
+# flag, but a `vllm serve` that names one of these scheduler classes takes the policy from
+# additional_config["preemption_policy"], which is where `run` puts it then.
 _ADAPTER_SCHEDULER = "bidkv_ext.hosts.vllm.policy_scheduler"
+_ADAPTER_SCHEDULERS = frozenset(
+    f"bidkv_ext.hosts.vllm.{module}{name}"
+    for module in ("", "scheduler.")
+    for name in ("policy_scheduler", "PolicyScheduler", "PolicyAsyncScheduler")
+)
+_ADAPTER_CONFIG_KEY = "preemption_policy"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -323,20 +333,11 @@ def _is_vllm_serve(command: Sequence[str]) -> bool:
     return len(command) > 1 and os.path.basename(command[0]) == "vllm" and command[1] == "serve"
 
 
-def _adapter_command(
-    bundle: InstalledBundle, state: State, command: Sequence[str], policy: str
-) -> str:
-    """``command`` as the stock-vLLM adapter runs it: with the bundle's activation
-    environment (without it the policy may load inert) and its additional config."""
-    generated = provider.plan(
-        bundle, state.configuration(bundle.bundle_id), enabled=True
-    )["generated_config"]
-    config = {**generated.get("additional_config", {}), "preemption_policy": policy}
-    environment = [f"{k}={shlex.quote(str(v))}"
-                   for k, v in sorted(generated.get("environment", {}).items())]
-    options = ["--scheduler-cls", _ADAPTER_SCHEDULER, "--additional-config", json.dumps(config)]
-    return shlex.join([*command, *options]) if not environment else (
-        " ".join(environment) + " " + shlex.join([*command, *options]))
+def _through_adapter(command: Sequence[str]) -> bool:
+    """Whether ``command`` is a ``vllm serve`` that runs the stock-vLLM adapter."""
+    return _is_vllm_serve(command) and last_value(list(command), "--scheduler-cls") in (
+        _ADAPTER_SCHEDULERS
+    )
 
 
 def _refuse(
@@ -357,13 +358,16 @@ def _refuse(
     if (
         policy
         and _is_vllm_serve(command)
+        and not _through_adapter(command)
         and not provider.host_has_preemption_contract(manifest.host.name)
     ):
+        adapted = shlex.join(["vllm-hust-ext", "run", "--", *command,
+                              "--scheduler-cls", _ADAPTER_SCHEDULER])
         raise ValueError(
             f"refusing to launch {bundle_id!r}: the installed vLLM lacks the "
             f"vllm.preemption-policy contract ({provider.CONTRACT_FILE}), so 'vllm serve' has "
-            f"no --preemption-policy flag; use the stock-vLLM adapter instead: "
-            f"{_adapter_command(bundle, state, command, policy)}"
+            f"no --preemption-policy flag; name the stock-vLLM adapter and the policy goes "
+            f"to it through --additional-config: {adapted}"
         )
     if assessed["failed_checks"]:
         raise ValueError(
@@ -410,14 +414,17 @@ def _check_option_conflicts(plans: Sequence[dict[str, Any]]) -> None:
             _claim(claims, option, owner, value, conflict)
 
 
-def _render_options(command: list[str], plans: Sequence[dict[str, Any]]) -> list[str]:
+def _render_options(
+    command: list[str], plans: Sequence[dict[str, Any]], skip: frozenset[str] = frozenset()
+) -> list[str]:
     _check_option_conflicts(plans)
     for plan_document in plans:
         generated = plan_document["generated_config"]
         for option, value in sorted(generated.get("vllm_json_options", {}).items()):
             command = merge_option(command, option, value, is_json=True)
         for option, value in sorted(generated.get("vllm_options", {}).items()):
-            command = merge_option(command, option, value, is_json=False)
+            if option not in skip:
+                command = merge_option(command, option, value, is_json=False)
         for flag in generated.get("vllm_flags", []):
             command = merge_flag(command, flag)
     return command
@@ -450,9 +457,19 @@ def build_launch(
         _refuse(bundle, state, command, bundles)
     if bad_command is not None:
         raise bad_command
-    command = merge_additional_config(command, _merged_additional_config(bundles))
     plans = _plans(bundles, state)
-    command = _render_options(command, plans)
+    additional = _merged_additional_config(bundles)
+    adapter_policy = _adapter_policy(command, bundles, plans)
+    if adapter_policy is not None:
+        if not same_json(additional.get(_ADAPTER_CONFIG_KEY, adapter_policy), adapter_policy):
+            raise ValueError(
+                f"an enabled bundle's additional_config key {_ADAPTER_CONFIG_KEY!r} disagrees "
+                f"with the policy the stock-vLLM adapter is given ({adapter_policy!r})"
+            )
+        additional = {**additional, _ADAPTER_CONFIG_KEY: adapter_policy}
+    command = merge_additional_config(command, additional)
+    skip = frozenset({"--preemption-policy"}) if adapter_policy is not None else frozenset()
+    command = _render_options(command, plans, skip)
     environment = activation_environment(plans)
     native = {
         p["extension_id"]: p["generated_config"]["native_extension_manifest"]
@@ -466,6 +483,25 @@ def build_launch(
         )
     configurations = {b.bundle_id: state.configuration(b.bundle_id) for b in bundles}
     return LaunchPlan(tuple(command), environment, native), bundles, configurations
+
+
+def _adapter_policy(
+    command: list[str], bundles: Sequence[InstalledBundle], plans: Sequence[dict[str, Any]]
+) -> str | None:
+    """The policy to hand the stock-vLLM adapter through additional_config: when
+    ``command`` runs the adapter on a vLLM without the contract (else ``None``: the host
+    takes ``--preemption-policy`` itself)."""
+    if not _through_adapter(command) or all(
+        provider.host_has_preemption_contract(b.manifest.host.name) for b in bundles
+    ):
+        return None
+    _check_option_conflicts(plans)  # at most one policy among the enabled bundles
+    for plan_document in plans:
+        policy = plan_document["generated_config"].get("vllm_options", {}).get(
+            "--preemption-policy")
+        if policy is not None:
+            return str(policy)
+    return None
 
 
 def _run(raw_command: Sequence[str], dry_run: bool, grace: float) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "check_grace",
     "group_members",
     "ignoring_signals",
+    "last_value",
     "merge_additional_config",
     "merge_option",
     "supervise",
@@ -92,6 +93,12 @@ def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None,
                 f"give {option} one JSON object instead"
             )
     return found
+
+
+def last_value(command: list[str], option: str) -> str | None:
+    """The value vLLM reads for ``option`` (its last occurrence, either spelling), if any."""
+    found = _occurrences(command, option)
+    return found[-1][1] if found else None
 
 
 def _dump(value: object) -> str:
