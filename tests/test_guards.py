@@ -74,11 +74,15 @@ def test_ties_go_to_the_builtin_victim() -> None:
 
 
 def test_priority_policy_only_considers_the_least_urgent_class() -> None:
-    cands = [cand("urgent", computed=16, priority=0), cand("lazy1", computed=4000, priority=3),
-             cand("lazy2", computed=2000, priority=3)]
+    """Under ``priority`` scheduling the cheapest victim overall (a more urgent request)
+    is not eligible: the choice stays in the least urgent class. The same candidates
+    under FCFS pick that urgent one, so the data tells the two apart."""
+    cands = [cand("urgent", computed=160, priority=0), cand("lazy1", computed=4000, priority=3),
+             cand("lazy2", computed=2000, priority=3), cand("req", computed=3000, priority=3)]
     policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, cascade_gain_ratio=1.0))
-    chosen = policy.select_victim(ctx(cands, policy="priority", requester="urgent"))
-    assert chosen in {"lazy1", "lazy2"}
+    assert policy.select_victim(ctx(cands, requester="req")) == "urgent"
+    chosen = policy.select_victim(ctx(cands, policy="priority", requester="req"))
+    assert chosen in {"lazy1", "lazy2", "req"}
 
 
 def test_liveness_never_makes_the_victim_more_urgent() -> None:

@@ -210,18 +210,25 @@ def test_output_name_that_is_a_directory_is_refused(
     assert f"--output-dir {str(out)!r}: {name} in it is a directory" in message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_unwritable_output_dir_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """A directory that exists but does not accept files fails before any replay."""
-    out = tmp_path / "ro"
-    out.mkdir()
-    out.chmod(0o555)
+    """A directory that exists but does not accept files fails before any replay. Root
+    writes into a read-only directory, so as root the directory is sysfs's ``/sys/kernel``,
+    which refuses new files to everyone."""
+    if os.geteuid() != 0:
+        out = tmp_path / "ro"
+        out.mkdir()
+        out.chmod(0o555)
+    else:
+        out = Path("/sys/kernel")
+        if not out.is_dir():
+            pytest.skip("no sysfs: no directory refuses root a new file here")
     try:
         message = _refused(capsys, tmp_path, "--output-dir", str(out))
     finally:
-        out.chmod(0o755)
+        if out.parent == tmp_path:
+            out.chmod(0o755)
     assert f"--output-dir {str(out)!r}: cannot write there" in message
 
 

@@ -98,10 +98,12 @@ def test_cost_aware_and_sglang_peers() -> None:
     # cost-aware: blocks per current token x (1 - progress): b has the most to give.
     assert BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="cost-aware")).select_victim(
         ctx(cands)) == "b"
-    # sglang: fewest output tokens, ties to the longest prompt.
-    tied = [cand("x", output=3, prompt=100), cand("y", output=3, prompt=900), cand("z", output=9)]
-    assert BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="sglang")).select_victim(
-        ctx(tied)) == "y"
+    # sglang: fewest output tokens, ties to the longest prompt, wherever it sits in the
+    # batch (a full tie would go to the last one: y is first here, x last).
+    sglang = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy="sglang"))
+    tied = [cand("y", output=3, prompt=900), cand("z", output=9), cand("x", output=3, prompt=100)]
+    assert sglang.select_victim(ctx(tied)) == "y"
+    assert sglang.select_victim(ctx(tied[::-1])) == "y"
 
 
 def test_least_computed_first_ties_go_to_the_first_in_running_order() -> None:
