@@ -12,7 +12,10 @@ round. Noise on a shared machine then hits the yardstick and the rows alike.
 
 Three tables per requester kind:
 
-* the policy's part: ``PolicyController.select_victim`` on a context built beforehand;
+* the policy's part: ``PolicyController.select_victim`` on a context built beforehand, the
+  requester at a random position; bidkv again with the requester last but one (finding it
+  by id costs most there) and with host facts (what the stock-vLLM adapter passes by
+  default; a vLLM-HUST host passes none);
 * the host's whole call (not with ``--no-host``): the stock-vLLM adapter's per-call path
   (``PolicySchedulerMixin._bidkv_select_victim``) on real vLLM ``Request`` objects with the
   same values: built-in choice, the contract's snapshot of the running list, controller,
@@ -30,6 +33,7 @@ Prints tables; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import time
@@ -39,7 +43,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from bidkv_ext.config import BidKVConfig
-from bidkv_ext.contract import PreemptionCandidate, PreemptionContext
+from bidkv_ext.contract import (
+    CandidateFacts,
+    PreemptionCandidate,
+    PreemptionContext,
+    PreemptionContextFacts,
+    candidate_index,
+)
 from bidkv_ext.controller import PolicyController
 from bidkv_ext.selector import BidkvPreemptionPolicy
 
@@ -55,7 +65,9 @@ BUDGET_P99_US = 100.0
 Timed = Callable[[], object]
 
 
-def make_context(n: int, rng: random.Random, requester: str = "decoding") -> PreemptionContext:
+def make_context(n: int, rng: random.Random, requester: str = "decoding",
+                 at: int | None = None) -> PreemptionContext:
+    """``n`` candidates; the requester at position ``at`` (default: a random one)."""
     cands = []
     for i in range(n):
         prompt = rng.randint(50, 4000)
@@ -67,7 +79,7 @@ def make_context(n: int, rng: random.Random, requester: str = "decoding") -> Pre
         ))
     # The requester: a decoding request (needs one block; the common case), or one in the
     # middle of a long prefill (needs a whole chunk of blocks).
-    i = rng.randrange(n)
+    i = rng.randrange(n) if at is None else at
     c = cands[i]
     if requester == "decoding":
         c = PreemptionCandidate(c.request_id, 0, c.arrival_time, c.num_prompt_tokens,
@@ -137,8 +149,33 @@ def controller_for(strategy: str, **settings: Any) -> PolicyController:
     return PolicyController(BidkvPreemptionPolicy(config))
 
 
+TAIL = "bidkv, requester last but one"
+FACTS = "bidkv, with the adapter's block facts"
+
+
+def with_requester_at(context: PreemptionContext, at: int) -> PreemptionContext:
+    """``context`` with the requester moved to position ``at``: the same candidates, the
+    requester swapped with the one there (the built-in victim stays the tail)."""
+    cands = list(context.candidates)
+    i = candidate_index(cands, context.requesting_request_id)
+    cands[i], cands[at] = cands[at], cands[i]
+    return dataclasses.replace(context, candidates=tuple(cands),
+                               builtin_victim_id=cands[-1].request_id)
+
+
+def block_facts(context: PreemptionContext, block_size: int = 16) -> PreemptionContextFacts:
+    """Host facts as the stock-vLLM adapter reports them for unshared, uncached blocks:
+    every candidate's blocks are its own (``ceil(computed / block_size)``)."""
+    facts = {}
+    for c in context.candidates:
+        blocks = -(-c.num_computed_tokens // block_size)
+        facts[c.request_id] = CandidateFacts(blocks, 0, blocks)
+    return PreemptionContextFacts(block_size, 0, facts)
+
+
 def policy_rows(context: PreemptionContext) -> dict[str, Timed]:
-    """The anchors and every strategy's controller call, on one context."""
+    """The anchors and every strategy's controller call, on one context; bidkv also with
+    the requester where finding it costs most, and with host facts."""
     running = context.candidates
     rows: dict[str, Timed] = {
         FCFS: fcfs_pop(running),
@@ -147,6 +184,14 @@ def policy_rows(context: PreemptionContext) -> dict[str, Timed]:
     for name in STRATEGIES:
         controller = controller_for(name)
         rows[name] = lambda c=controller: c.select_victim(context)
+    # The requester is found by a scan that checks the tail (the built-in victim) first,
+    # then stops at the match: last but one is its longest.
+    tail = with_requester_at(context, max(len(running) - 2, 0))
+    controller = controller_for("bidkv")
+    rows[TAIL] = lambda: controller.select_victim(tail)
+    facts = block_facts(context)
+    with_facts = controller_for("bidkv")
+    rows[FACTS] = lambda: with_facts.select_victim(context, facts)
     return rows
 
 
@@ -254,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"p50 <= {BUDGET_P50_US:g}, p99 <= {BUDGET_P99_US:g})\n")
         percentiles = {}
         for n in sizes:
-            rows = {YARDSTICK: policy[n][YARDSTICK], "bidkv": policy[n]["bidkv"]}
+            rows = {YARDSTICK: policy[n][YARDSTICK], "bidkv": policy[n]["bidkv"],
+                    TAIL: policy[n][TAIL]}
             if host:
                 rows[HOST_ROWS[2]] = host[n][HOST_ROWS[2]]
             percentiles[n] = per_call_us(rows, args.samples)

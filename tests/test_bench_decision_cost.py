@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import decision_cost
 
-from bidkv_ext.contract import PreemptionContext
+from bidkv_ext.contract import CandidateFacts, PreemptionContext
 from bidkv_ext.controller import PolicyController
 
 
@@ -70,7 +70,8 @@ def test_report_has_both_anchors_every_strategy_and_the_budget(
         assert f"Requester {kind}: the policy's part" in out
     rows = [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| row")]
-    for name in (decision_cost.FCFS, decision_cost.YARDSTICK, *decision_cost.STRATEGIES):
+    for name in (decision_cost.FCFS, decision_cost.YARDSTICK, *decision_cost.STRATEGIES,
+                 decision_cost.TAIL, decision_cost.FACTS):
         assert rows.count(name) >= 2, name
     assert "p50 <= 20, p99 <= 100" in out
     assert "| N=8 p50 / p99 µs | N=48 p50 / p99 µs |" in out
@@ -109,3 +110,20 @@ def test_host_path_bidkv_chooses_as_the_policy_only_rows() -> None:
     victim = decision_cost.host_call(requests, context, controller)()
     assert victim.request_id == expected
     assert controller.stats.selections == 1
+
+
+@pytest.mark.parametrize("at", [0, 31, 62])
+def test_the_tail_row_moves_only_the_requester(at: int) -> None:
+    """The worst-case row times the same candidates with the requester moved (swapped with
+    the one at ``at``) and the built-in victim still the tail; the facts row gives every
+    candidate its own blocks, as the adapter reports unshared, uncached ones."""
+    context = decision_cost.make_context(64, random.Random(5), "prefilling")
+    moved = decision_cost.with_requester_at(context, at)
+    assert sorted(moved.candidates, key=str) == sorted(context.candidates, key=str)
+    assert moved.candidates[at].request_id == context.requesting_request_id
+    assert moved.requesting_request_id == context.requesting_request_id
+    assert moved.builtin_victim_id == moved.candidates[-1].request_id
+    facts = decision_cost.block_facts(context)
+    for c in context.candidates:
+        blocks = -(-c.num_computed_tokens // 16)
+        assert facts.facts[c.request_id] == CandidateFacts(blocks, 0, blocks)
