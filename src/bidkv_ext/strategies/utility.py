@@ -76,7 +76,6 @@ __all__ = ["UtilityParams", "UtilityStrategy"]
 _Counts = npt.NDArray[np.int64]
 
 _computed = attrgetter("num_computed_tokens")
-_priority = attrgetter("priority")
 _preempted_computed = attrgetter("num_preemptions", "num_computed_tokens")
 # Below this many candidates the array passes cost more than scoring everyone in Python.
 _PRUNE_FROM = 48
@@ -326,7 +325,9 @@ class UtilityStrategy:
         """The candidates that can still win, in order, and the built-in victim if it is in
         the ranked set (see :meth:`_sufficient`; outside it a candidate may not win, not
         even a tie). Records the candidates' positions in ``known``."""
-        computed: _Counts = np.fromiter(map(_computed, candidates), np.int64, len(candidates))
+        # A list comprehension, not fromiter(map(attrgetter)): the attribute read
+        # specialises to a slot load (about half the time per candidate on CPython 3.11).
+        computed: _Counts = np.array([c.num_computed_tokens for c in candidates], np.int64)
         # The ranked set: candidates that free the shortfall alone, when any does; else
         # every candidate that frees anything (U = 0 cannot win).
         lowest = self._sufficient_tokens(need)
@@ -453,7 +454,8 @@ def _locate(
 
 
 def _least_urgent(candidates: Candidates) -> Candidates:
-    worst = max(map(_priority, candidates))
-    if min(map(_priority, candidates)) == worst:
+    priorities = [c.priority for c in candidates]
+    worst = max(priorities)
+    if min(priorities) == worst:
         return candidates
     return tuple(c for c in candidates if c.priority == worst)
