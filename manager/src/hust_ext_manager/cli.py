@@ -25,6 +25,8 @@ from hust_ext_manager.launch import (
     NATIVE_ENVIRONMENT,
     LaunchPlan,
     check_grace,
+    config_file_options,
+    has_option,
     ignoring_signals,
     last_value,
     merge_additional_config,
@@ -32,6 +34,7 @@ from hust_ext_manager.launch import (
     merge_option,
     remove_directory,
     supervise,
+    without_option,
     write_native_manifests,
 )
 from hust_ext_manager.runtime_evidence import (
@@ -340,6 +343,45 @@ def _through_adapter(command: Sequence[str]) -> bool:
     )
 
 
+def _refuse_for_the_host(bundle: InstalledBundle, state: State, command: list[str]) -> None:
+    """A policy bundle's ``vllm serve``: stock vLLM takes it only through our adapter, and
+    a host with the contract only through its own ``--preemption-policy``."""
+    bundle_id, manifest = bundle.bundle_id, bundle.manifest
+    adapter = _through_adapter(command)
+    if provider.host_has_preemption_contract(manifest.host.name):
+        if adapter:
+            raise ValueError(
+                f"refusing to launch {bundle_id!r}: the installed vLLM has the "
+                f"vllm.preemption-policy contract and takes --preemption-policy itself; "
+                f"drop --scheduler-cls {last_value(command, '--scheduler-cls')} (the "
+                f"stock-vLLM adapter runs on stock vLLM 0.33.0 only)"
+            )
+        return
+    if adapter:
+        if has_option(command, "--preemption-policy"):
+            raise ValueError(
+                f"refusing to launch {bundle_id!r}: stock vLLM has no --preemption-policy "
+                f"option; drop it: the manager hands the policy to the adapter through "
+                f"--additional-config"
+            )
+        return
+    plain = without_option(without_option(command, "--preemption-policy"), "--scheduler-cls")
+    adapted = shlex.join(["vllm-hust-ext", "run", "--", *plain,
+                          "--scheduler-cls", _ADAPTER_SCHEDULER])
+    declared = state.configuration(bundle_id).get("protocol_versions")
+    first = "" if isinstance(declared, dict) and "vllm.preemption-policy" in declared else (
+        f" (first declare the contract version the adapter implements: vllm-hust-ext "
+        f"extension configure {bundle_id} --file FILE, FILE holding "
+        f'{{"protocol_versions": {{"vllm.preemption-policy": "1.0"}}}})'
+    )
+    raise ValueError(
+        f"refusing to launch {bundle_id!r}: the installed vLLM lacks the "
+        f"vllm.preemption-policy contract ({provider.CONTRACT_FILE}), so 'vllm serve' has "
+        f"no --preemption-policy flag; name the stock-vLLM adapter and the policy goes "
+        f"to it through --additional-config: {adapted}{first}"
+    )
+
+
 def _refuse(
     bundle: InstalledBundle,
     state: State,
@@ -355,20 +397,8 @@ def _refuse(
     if "incompatible" in assessed["states"]:
         raise ValueError(f"refusing to launch incompatible extension {bundle_id!r}: {evidence}")
     policy = provider.rendered_options(manifest).get("--preemption-policy")
-    if (
-        policy
-        and _is_vllm_serve(command)
-        and not _through_adapter(command)
-        and not provider.host_has_preemption_contract(manifest.host.name)
-    ):
-        adapted = shlex.join(["vllm-hust-ext", "run", "--", *command,
-                              "--scheduler-cls", _ADAPTER_SCHEDULER])
-        raise ValueError(
-            f"refusing to launch {bundle_id!r}: the installed vLLM lacks the "
-            f"vllm.preemption-policy contract ({provider.CONTRACT_FILE}), so 'vllm serve' has "
-            f"no --preemption-policy flag; name the stock-vLLM adapter and the policy goes "
-            f"to it through --additional-config: {adapted}"
-        )
+    if policy and _is_vllm_serve(command):
+        _refuse_for_the_host(bundle, state, list(command))
     if assessed["failed_checks"]:
         raise ValueError(
             f"refusing to launch {bundle_id!r}: {'; '.join(assessed['failed_checks'])}"
@@ -467,8 +497,9 @@ def build_launch(
                 f"with the policy the stock-vLLM adapter is given ({adapter_policy!r})"
             )
         additional = {**additional, _ADAPTER_CONFIG_KEY: adapter_policy}
-    command = merge_additional_config(command, additional)
     skip = frozenset({"--preemption-policy"}) if adapter_policy is not None else frozenset()
+    _refuse_config_file_overlap(command, plans, skip, bool(additional))
+    command = merge_additional_config(command, additional)
     command = _render_options(command, plans, skip)
     environment = activation_environment(plans)
     native = {
@@ -483,6 +514,32 @@ def build_launch(
         )
     configurations = {b.bundle_id: state.configuration(b.bundle_id) for b in bundles}
     return LaunchPlan(tuple(command), environment, native), bundles, configurations
+
+
+def _refuse_config_file_overlap(
+    command: list[str], plans: Sequence[dict[str, Any]], skip: frozenset[str],
+    additional: bool,
+) -> None:
+    """vLLM reads a ``--config`` file's options before the command line's, so an option
+    that both the file and the extensions set would silently lose the file's value (or,
+    for --additional-config, the file's whole object): refused, naming it."""
+    from_file = config_file_options(command)
+    if not from_file:
+        return
+    rendered = {"--additional-config"} if additional else set()
+    for plan_document in plans:
+        generated = plan_document["generated_config"]
+        rendered.update(generated.get("vllm_json_options", {}))
+        rendered.update(o for o in generated.get("vllm_options", {}) if o not in skip)
+        rendered.update(generated.get("vllm_flags", []))
+    both = sorted(rendered & from_file)
+    if both:
+        raise ValueError(
+            f"--config {command[command.index('--config') + 1]} sets {', '.join(both)}, "
+            f"which the enabled extensions set too; vLLM reads the file before the command "
+            f"line, so one would replace the other: give {', '.join(both)} on the command "
+            f"line instead"
+        )
 
 
 def _adapter_policy(

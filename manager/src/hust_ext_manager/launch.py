@@ -31,12 +31,15 @@ __all__ = [
     "NATIVE_ENVIRONMENT",
     "LaunchPlan",
     "check_grace",
+    "config_file_options",
     "group_members",
+    "has_option",
     "ignoring_signals",
     "last_value",
     "merge_additional_config",
     "merge_option",
     "supervise",
+    "without_option",
     "write_native_manifests",
 ]
 
@@ -70,13 +73,24 @@ def _option_name(arg: str) -> str | None:
     return "--" + arg[2:].partition("=")[0].replace("_", "-")
 
 
+# Options the manager renders whose name is a prefix of another one it renders
+# (--batch-admission-policy and its -config): spelled out, never an abbreviation.
+_RENDERED_NAMES = frozenset({
+    "--additional-config", "--batch-admission-policy", "--batch-admission-policy-config",
+    "--preemption-policy", "--scheduler-cls", "--scheduler-reserve-output-budget",
+    "--speculative-config", "--worker-cls",
+})
+
+
 def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None, bool]]:
     """Every ``--opt V`` or ``--opt=V`` (either spelling of the name's dashes, as vLLM
     accepts): (index, value or None if missing, inline form), in order.
 
     vLLM uses the last occurrence; a caller's value found only at the first would let a
     later one replace the extension's without a word. ``--opt.key V`` (vLLM's per-key form
-    of a JSON option) is refused: it would replace the merged object.
+    of a JSON option) is refused: it would replace the merged object. So is an
+    abbreviation of ``option`` (vLLM's parser accepts unique prefixes): it would be read as
+    ``option`` without being found here.
     """
     found: list[tuple[int, str | None, bool]] = []
     for index, arg in enumerate(command):
@@ -92,7 +106,62 @@ def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None,
                 f"{arg.partition('=')[0]} cannot be merged with the extension's {option}: "
                 f"give {option} one JSON object instead"
             )
+        elif (name is not None and len(name) > 2 and option.startswith(name)
+              and name not in _RENDERED_NAMES):
+            raise ValueError(
+                f"{arg.partition('=')[0]} abbreviates {option}, which vLLM would read it as: "
+                f"spell out {option} so that the extension's value can be merged with it"
+            )
     return found
+
+
+def has_option(command: list[str], option: str) -> bool:
+    """Whether ``command`` gives ``option`` (either spelling, with or without a value)."""
+    return bool(_occurrences(command, option))
+
+
+def without_option(command: list[str], option: str) -> list[str]:
+    """``command`` with every occurrence of ``option`` and its value removed."""
+    drop: set[int] = set()
+    for index, _, inline in _occurrences(command, option):
+        drop.add(index)
+        if not inline and index + 1 < len(command):
+            drop.add(index + 1)
+    return [arg for index, arg in enumerate(command) if index not in drop]
+
+
+def config_file_options(command: list[str]) -> frozenset[str] | None:
+    """The options a ``--config FILE`` of ``command`` sets, as vLLM reads them (it inserts
+    the YAML file's keys as options before the command line's); ``None`` without one.
+
+    Raises ValueError when the file cannot be read as a YAML mapping.
+    """
+    if "--config" not in command:  # vLLM expands only this exact token
+        return None
+    index = command.index("--config")
+    if index + 1 >= len(command):
+        raise ValueError("--config requires a file")
+    path = command[index + 1]
+    if not path.endswith((".yaml", ".yml")):
+        return None  # not a vLLM config file (vLLM itself refuses one)
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(
+            f"--config {path}: cannot check which options it sets (PyYAML is not "
+            "installed)") from None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as error:
+        reason = getattr(error, "strerror", None) or type(error).__name__
+        raise ValueError(f"--config {path}: cannot be read as YAML: {reason}") from None
+    if document is None:
+        return frozenset()
+    if not isinstance(document, dict):
+        raise ValueError(f"--config {path}: expected a YAML mapping of options")
+    names = (_option_name(f"--{key}") for key in document)
+    return frozenset(name for name in names if name is not None)
 
 
 def last_value(command: list[str], option: str) -> str | None:
