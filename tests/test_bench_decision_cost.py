@@ -127,3 +127,15 @@ def test_the_tail_row_moves_only_the_requester(at: int) -> None:
     for c in context.candidates:
         blocks = -(-c.num_computed_tokens // 16)
         assert facts.facts[c.request_id] == CandidateFacts(blocks, 0, blocks)
+
+
+def test_the_host_facts_row_times_the_adapters_facts_on_a_real_block_pool() -> None:
+    """The host-facts row times the adapter's real ``_host_facts``: facts for every running
+    request of a real scheduler, the shared prefix seen as shared blocks."""
+    rows = decision_cost.facts_rows(12)
+    facts = rows[decision_cost.FACTS_ROW]()
+    assert len(facts.facts) == 12  # type: ignore[attr-defined]
+    assert all(f.total_blocks == decision_cost.FACTS_BLOCKS  # type: ignore[attr-defined]
+               for f in facts.facts.values())  # type: ignore[attr-defined]
+    assert any(f.exclusive_blocks < f.total_blocks  # type: ignore[attr-defined]
+               for f in facts.facts.values())  # type: ignore[attr-defined]
