@@ -144,12 +144,8 @@ def config_file_options(command: list[str]) -> frozenset[str] | None:
     path = command[index + 1]
     if not path.endswith((".yaml", ".yml")):
         return None  # not a vLLM config file (vLLM itself refuses one)
-    try:
-        import yaml
-    except ImportError:
-        raise ValueError(
-            f"--config {path}: cannot check which options it sets (PyYAML is not "
-            "installed)") from None
+    import yaml  # only for a command with --config
+
     try:
         with open(path, encoding="utf-8") as handle:
             document = yaml.safe_load(handle)
