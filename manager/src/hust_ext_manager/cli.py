@@ -489,7 +489,7 @@ def build_launch(
         raise bad_command
     plans = _plans(bundles, state)
     additional = _merged_additional_config(bundles)
-    adapter_policy = _adapter_policy(command, bundles, plans)
+    adapter_policy = _adapter_policy(command, plans)
     if adapter_policy is not None:
         if not same_json(additional.get(_ADAPTER_CONFIG_KEY, adapter_policy), adapter_policy):
             raise ValueError(
@@ -542,17 +542,13 @@ def _refuse_config_file_overlap(
         )
 
 
-def _adapter_policy(
-    command: list[str], bundles: Sequence[InstalledBundle], plans: Sequence[dict[str, Any]]
-) -> str | None:
-    """The policy to hand the stock-vLLM adapter through additional_config: when
-    ``command`` runs the adapter on a vLLM without the contract (else ``None``: the host
-    takes ``--preemption-policy`` itself)."""
-    if not _through_adapter(command) or all(
-        provider.host_has_preemption_contract(b.manifest.host.name) for b in bundles
-    ):
+def _adapter_policy(command: list[str], plans: Sequence[dict[str, Any]]) -> str | None:
+    """The policy to hand the stock-vLLM adapter through additional_config when ``command``
+    runs the adapter (else ``None``). No host probe here: ``_refuse`` has already refused
+    the adapter on a host that has the contract, for every bundle with a policy. Two
+    bundles with different policies are refused by ``_render_options``."""
+    if not _through_adapter(command):
         return None
-    _check_option_conflicts(plans)  # at most one policy among the enabled bundles
     for plan_document in plans:
         policy = plan_document["generated_config"].get("vllm_options", {}).get(
             "--preemption-policy")
