@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
+from hust_ext_manager.provider import RENDERED_OPTIONS
 
 __all__ = [
     "ENABLED_BUNDLES_ENV",
@@ -73,13 +74,9 @@ def _option_name(arg: str) -> str | None:
     return "--" + arg[2:].partition("=")[0].replace("_", "-")
 
 
-# Options the manager renders whose name is a prefix of another one it renders
-# (--batch-admission-policy and its -config): spelled out, never an abbreviation.
-_RENDERED_NAMES = frozenset({
-    "--additional-config", "--batch-admission-policy", "--batch-admission-policy-config",
-    "--preemption-policy", "--scheduler-cls", "--scheduler-reserve-output-budget",
-    "--speculative-config", "--worker-cls",
-})
+# Options the manager merges or reads: one whose name is a prefix of another's
+# (--batch-admission-policy and its -config) is spelled out, never an abbreviation.
+_RENDERED_NAMES = RENDERED_OPTIONS | {"--additional-config", "--scheduler-cls"}
 
 
 def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None, bool]]:

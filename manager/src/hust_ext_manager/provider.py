@@ -35,6 +35,7 @@ from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
 __all__ = [
     "CONTRACT_FILE",
     "RENDERED_CONTRACTS",
+    "RENDERED_OPTIONS",
     "CheckResult",
     "bundle_checks",
     "bundle_shutdown",
@@ -58,6 +59,10 @@ _LAUNCH_JSON_OPTIONS = {
     "speculative_config": "--speculative-config",
 }
 _LAUNCH_FLAGS = {"scheduler_reserve_output_budget": "--scheduler-reserve-output-budget"}
+# Every vLLM option a plan may render (scalar, JSON or flag).
+RENDERED_OPTIONS = frozenset(
+    {*RENDERED_CONTRACTS.values(), *_LAUNCH_JSON_OPTIONS.values(), *_LAUNCH_FLAGS.values()}
+)
 _POLICY_WARNING = (
     "in-process scheduler activation requires explicit host and protocol compatibility "
     "evidence; run refuses unverified policies"
