@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from qualification.verdict import ArmResult, CellOutcome
+from qualification.verdict import ArmResult, CellOutcome, environment_missing
 
 __all__ = [
     "gate_summary",
@@ -192,8 +192,8 @@ def procedure_notes(outcomes: Sequence[CellOutcome]) -> list[str]:
     for o in outcomes:
         for p in o.pairs:
             for a in (p.baseline, p.candidate):
-                env = a.procedure.get("policy_environment")
-                if isinstance(env, Mapping) and env.get("status") == "missing":
+                env = environment_missing(a)
+                if env is not None:
                     notes.append(f"{o.cell} rep {p.repetition} {a.arm}: {env.get('detail')}")
     return notes
 

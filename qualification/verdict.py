@@ -26,6 +26,7 @@ __all__ = [
     "GateResult",
     "Pair",
     "classify",
+    "environment_missing",
     "evaluate_cell",
     "evaluate_gates",
 ]
@@ -327,16 +328,18 @@ def _enabled_and_invoked_gate(pairs: Sequence[Pair]) -> GateResult:
         f"repeat {p.repetition} candidate: policy environment missing in the engine child "
         "(the policy ran inert, abstaining on every call)"
         for p in pairs
-        if _environment_status(p.candidate) == "missing"
+        if environment_missing(p.candidate)
     ]
     if pairs and not any(p.candidate.invoked for p in pairs):
         faults.append("the policy was never invoked in any candidate arm")
     return _gate("policy-enabled-and-invoked", faults)
 
 
-def _environment_status(arm: ArmResult) -> object:
+def environment_missing(arm: ArmResult) -> Mapping[str, object] | None:
+    """The arm's §2 step 4 record when it found no engine child carrying the policy's
+    environment, else ``None``."""
     env = arm.procedure.get("policy_environment")
-    return env.get("status") if isinstance(env, Mapping) else None
+    return env if isinstance(env, Mapping) and env.get("status") == "missing" else None
 
 
 def evaluate_gates(
