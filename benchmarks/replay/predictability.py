@@ -49,8 +49,6 @@ sys.path.insert(0, str(ROOT))
 
 from run import CODE, CONV, MOON, write_section  # noqa: E402
 
-DEFAULT_TRACES = ROOT.parents[1].parent / "shared" / "traces"
-
 # Output-so-far buckets: powers of two, since the residual's spread grows with k.
 K_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 MIN_CELL = 30  # fewer training moments than this in a (p, k) cell: use the k bucket alone
@@ -263,21 +261,19 @@ def table(scores: Sequence[TraceScores], horizon: int) -> str:
 MIN_REQUESTS = 4
 
 
-def _given_options(args: argparse.Namespace) -> list[str]:
-    """The options that differ from their defaults, as a command line would give them."""
+def _given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options that differ from the parser's defaults, as a command line gives them."""
     given = []
-    defaults = {"samples": 100_000, "horizon": 32, "max_model_len": 32768, "seed": 0}
-    for name, default in defaults.items():
-        if getattr(args, name) != default:
+    for name in ("samples", "horizon", "max_model_len", "seed", "traces"):
+        if getattr(args, name) != parser.get_default(name):
             given += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.traces != DEFAULT_TRACES:
-        given += ["--traces", str(args.traces)]
     return given
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
+    parser.add_argument("--traces", type=Path,
+                        default=ROOT.parents[1].parent / "shared" / "traces")
     parser.add_argument("--samples", type=int, default=100_000,
                         help="scored moments and pairs per trace (default 100,000)")
     parser.add_argument("--horizon", type=int, default=32,
@@ -309,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text, end="")
     if not args.no_readme:
         command = shlex.join([".venv/bin/python", "benchmarks/replay/predictability.py",
-                              *_given_options(args)])
+                              *_given_options(parser, args)])
         write_section("predictability", f"`{command}` (seed {args.seed}, "
                       f"{args.samples:,} samples per trace, horizon {args.horizon} tokens, "
                       f"max_model_len {args.max_model_len:,}):\n\n{text}")
