@@ -310,6 +310,13 @@ def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> 
         raise SystemExit(f"{name}: expected {expected}, got {raw!r}") from None
 
 
+# The horizon and width the README's rollout tables were made with, and the defaults:
+# other values name their own report folders and README sections (--reuse must not pass
+# off reports made with one horizon as another's).
+STANDARD_HORIZON = 20.0
+STANDARD_WIDTH = 4
+
+
 class _Rollout:
     """Process-wide state of the lookahead oracle (see :class:`RolloutOracle`).
 
@@ -319,8 +326,10 @@ class _Rollout:
     reports then.
     """
 
-    horizon = _env("BIDKV_ROLLOUT_HORIZON", "20", float, "a number of seconds")
-    width = _env("BIDKV_ROLLOUT_WIDTH", "4", int, "a whole number of candidates")
+    horizon = _env("BIDKV_ROLLOUT_HORIZON", f"{STANDARD_HORIZON:g}", float,
+                   "a number of seconds")
+    width = _env("BIDKV_ROLLOUT_WIDTH", str(STANDARD_WIDTH), int,
+                 "a whole number of candidates")
     # > 0: children do not see true output lengths; each option is played this many
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
     samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", _samples, "a whole number of futures >= 0")
@@ -688,13 +697,6 @@ def _export_rollout_knobs(args: argparse.Namespace) -> None:
     os.environ["BIDKV_ROLLOUT_SAMPLES"] = str(args.samples)
     os.environ["BIDKV_ROLLOUT_OBJECTIVE"] = args.objective
     os.environ["BIDKV_ROLLOUT_KNOWN"] = str(args.known)
-
-
-# The horizon and width the README's rollout tables were made with: other values name
-# their own report folders and README sections (--reuse must not pass off reports made
-# with one horizon as another's).
-STANDARD_HORIZON = 20.0
-STANDARD_WIDTH = 4
 
 
 def _variant(args: argparse.Namespace) -> str:
