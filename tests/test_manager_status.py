@@ -913,6 +913,64 @@ def test_the_host_and_its_protocol_are_detected_from_package_metadata(
     ]
 
 
+def _fake_editable_host(site: Path, source: Path, *, direct_url: str | None = None) -> None:
+    """``fakehost`` 9.1 installed editable from ``source``: its RECORD lists only the
+    editable hook, as pip's PEP 660 installs do, and direct_url.json names the tree."""
+    info = site / "fakehost-9.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakehost\nVersion: 9.1\n")
+    (info / "RECORD").write_text("__editable__.fakehost-9.1.pth,,\n")
+    if direct_url is None:
+        direct_url = json.dumps({"url": source.as_uri(), "dir_info": {"editable": True}})
+    (info / "direct_url.json").write_text(direct_url)
+
+
+@pytest.mark.parametrize("contract", [True, False], ids=["ships-contract", "stock"])
+def test_an_editable_host_is_detected_from_its_source_tree(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], contract: bool
+) -> None:
+    """§5.2 step 3 on a host installed from source (``pip install -e``): its RECORD lists no
+    package files, so the contract module is looked for in the source tree direct_url.json
+    names. With it there the protocol is detected and ``run`` renders
+    ``--preemption-policy`` for ``vllm serve``; without it the version is unavailable, as
+    for any stock vLLM."""
+    document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
+    install(site, {"org.test.p": document})
+    source = tmp_path / "vllm-hust"
+    _fake_editable_host(site, source)
+    if contract:
+        module = source / "vllm" / "v1" / "core" / "sched" / "preemption.py"
+        module.parent.mkdir(parents=True)
+        module.write_text("")
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": {}}})
+    shown = status("org.test.p", capsys)
+    line = ("protocol vllm.preemption-policy 1.0 satisfies the declared range" if contract
+            else "protocol vllm.preemption-policy version is unavailable")
+    assert shown["evidence"][2] == line
+    assert ("compatible" in shown["states"]) is contract
+    if contract:
+        code, out, err = invoke(["run", "--dry-run", "--", "vllm", "serve", "m"], capsys)
+        assert code == 0, err
+        command = json.loads(out)["command"]
+        assert command[command.index("--preemption-policy") + 1] == (
+            "bidkv_ext.selector.BidkvPreemptionPolicy")
+
+
+def test_an_editable_host_with_an_invalid_direct_url_is_one_line_naming_the_host(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An editable host whose direct_url.json is not JSON leaves the protocol undetectable:
+    ``status`` says so naming the host, not with an internal error."""
+    document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
+    install(site, {"org.test.p": document})
+    _fake_editable_host(site, tmp_path, direct_url="{not json")
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": {}}})
+    shown = status("org.test.p", capsys)
+    assert "incompatible" in shown["states"]
+    assert shown["evidence"][0].startswith(
+        "host distribution 'fakehost' editable direct_url.json is invalid")
+
+
 def test_a_null_protocol_range_accepts_any_version(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "InstalledBundle",
     "discover",
     "discover_tolerant",
+    "source_roots",
 ]
 
 BUNDLE_GROUP = "vllm_hust.extension_bundles"
@@ -103,6 +104,13 @@ def _source_tree_roots(dist: Distribution) -> list[Path]:
     return [root, root / "src"]
 
 
+def source_roots(dist: Distribution) -> list[Path]:
+    """Where ``dist``'s modules live when its RECORD does not list them: the source tree of
+    an editable install or of a source checkout (empty otherwise). Raises DiscoveryError
+    for an editable install whose ``direct_url.json`` is invalid."""
+    return [*_editable_roots(dist), *_source_tree_roots(dist)]
+
+
 def _recorded(bundle_id: str, dist: Distribution) -> set[PurePosixPath]:
     """The files the distribution's RECORD lists."""
     try:
@@ -122,8 +130,7 @@ def _ships_module(dist: Distribution, recorded: set[PurePosixPath], module: str)
         p.parent == folder and p.name.startswith(f"{leaf}.") and p.suffix in (".so", ".pyd"))]
     if any(Path(str(dist.locate_file(str(p)))).is_file() for p in listed):
         return True
-    roots = [*_editable_roots(dist), *_source_tree_roots(dist)]
-    return any((root / p).is_file() for root in roots for p in sources)
+    return any((root / p).is_file() for root in source_roots(dist) for p in sources)
 
 
 def _token(text: str) -> str:

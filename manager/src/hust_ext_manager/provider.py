@@ -3,7 +3,8 @@
 Host facts come from package metadata only (vLLM is never imported): the host version is
 ``importlib.metadata.version(host.name)`` and the ``vllm.preemption-policy`` protocol is
 "1.0" only when the installed host distribution ships
-``vllm/v1/core/sched/preemption.py`` (vLLM-HUST). The operator's ``configure`` file may
+``vllm/v1/core/sched/preemption.py`` (vLLM-HUST): listed in its RECORD or, for an editable
+or source-tree install, present in its source tree. The operator's ``configure`` file may
 declare ``host_version`` / ``host_api_version`` / ``protocol_versions`` instead.
 """
 
@@ -27,7 +28,9 @@ from hust_ext_manager.discovery import (
     CHECK_GROUP,
     PLUGIN_GROUPS,
     SHUTDOWN_GROUP,
+    DiscoveryError,
     InstalledBundle,
+    source_roots,
 )
 from hust_ext_manager.jsonio import same_json
 from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
@@ -90,7 +93,9 @@ def _host_distribution(name: str) -> importlib.metadata.Distribution | None:
 
 
 def host_has_preemption_contract(host_name: str = "vllm") -> bool:
-    """True when the installed host ships the ``vllm.preemption-policy`` module (RECORD)."""
+    """True when the installed host ships the ``vllm.preemption-policy`` module: its RECORD
+    lists it or, for an editable or source-tree install (whose RECORD lists no package
+    files), the module is in its source tree. Nothing is imported."""
     dist = _host_distribution(host_name)
     if dist is None:
         return False
@@ -101,7 +106,16 @@ def host_has_preemption_contract(host_name: str = "vllm") -> bool:
             f"host distribution {host_name!r} RECORD cannot be read, so whether it ships "
             f"{CONTRACT_FILE} is unknown: reinstall {host_name}"
         ) from error
-    return any(str(f) == CONTRACT_FILE for f in files)
+    if any(str(f) == CONTRACT_FILE for f in files):
+        return True
+    try:
+        roots = source_roots(dist)
+    except DiscoveryError as error:
+        raise ValueError(
+            f"host distribution {host_name!r} {error}, so whether its source tree holds "
+            f"{CONTRACT_FILE} is unknown: reinstall {host_name}"
+        ) from error
+    return any((root / CONTRACT_FILE).is_file() for root in roots)
 
 
 def _detected_protocols(host_name: str) -> dict[str, str]:
