@@ -139,6 +139,25 @@ def _host_commit() -> str | None:
     return _commit("vllm", "VLLM_HUST_COMMIT")
 
 
+def _ascend_commit() -> str | None:
+    return _commit("vllm-ascend", "VLLM_ASCEND_HUST_COMMIT")
+
+
+def _image_digest() -> str | None:
+    # The container image the lane ran in, when the operator names it (§1: "image digests
+    # recorded per lane"); nothing in the image says so itself.
+    return _declared("QUALIFICATION_IMAGE_DIGEST", "the image digest")
+
+
+def _check_declarations(kind: str) -> None:
+    """Read every lane fact the operator may declare, as the record will: a bad one is
+    refused before --out and the first arm exist, not after every arm has run."""
+    _host_commit()
+    _image_digest()
+    if kind == "ascend":
+        _ascend_commit()
+
+
 def _accelerator_facts(kind: str) -> dict[str, object]:
     facts: dict[str, object] = {"kind": kind}
     probes = {
@@ -159,11 +178,9 @@ def _accelerator_facts(kind: str) -> dict[str, object]:
         # qualification.md §1: the Ascend host is vLLM-HUST core plus its Ascend plugin;
         # every part's version and commit is recorded.
         facts["vllm_ascend"] = {"version": _dist_version("vllm-ascend"),
-                                "commit": _commit("vllm-ascend", "VLLM_ASCEND_HUST_COMMIT")}
+                                "commit": _ascend_commit()}
         facts["torch_npu"] = _dist_version("torch-npu")
-    # The container image the lane ran in, when the operator names it (§1: "image digests
-    # recorded per lane"); nothing in the image says so itself.
-    facts["image_digest"] = _declared("QUALIFICATION_IMAGE_DIGEST", "the image digest")
+    facts["image_digest"] = _image_digest()
     return facts
 
 
@@ -253,8 +270,8 @@ def run_profile(
 ) -> RunResult:
     n = repeats or profile.repeats
     # Bad input found only later would come after --out and the first arm exist: check the
-    # declared host commit and format every replay argument of the run first.
-    _host_commit()
+    # operator's declarations and format every replay argument of the run first.
+    _check_declarations(profile.accelerator)
     if profile.kind == "replay":
         launch_plan(profile, repeats=n)
     if arm_runner is None:

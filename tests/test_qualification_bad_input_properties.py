@@ -1421,18 +1421,39 @@ def test_a_message_quoting_a_line_break_stays_on_one_line(
         assert str(exc).isprintable() and shown_as in str(exc), str(exc)
 
 
+@pytest.mark.parametrize("variable", ["VLLM_HUST_COMMIT", "QUALIFICATION_IMAGE_DIGEST"])
 @pytest.mark.parametrize("commit", ["abc\udcffdef", "abc\ndef"])
-def test_a_malformed_commit_variable_is_refused_before_the_run(
-    tmp_path: Path, commit: str, fake_arms: FakeArms, monkeypatch: pytest.MonkeyPatch
+def test_a_malformed_declared_variable_is_refused_before_the_run(
+    tmp_path: Path,
+    variable: str,
+    commit: str,
+    fake_arms: FakeArms,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``VLLM_HUST_COMMIT`` holding undecodable bytes used to end a finished run with a
     UnicodeEncodeError traceback while writing report.md (record.json written, no report,
-    no plot); one with a line break broke the report's line. Both are refused first."""
-    monkeypatch.setenv("VLLM_HUST_COMMIT", commit)
+    no plot); one with a line break broke the report's line. ``QUALIFICATION_IMAGE_DIGEST``
+    was read only when the record was built, so a bad one was refused after every arm had
+    run, with no record. All are refused before anything is created."""
+    monkeypatch.setenv(variable, commit)
     out = tmp_path / "out"
     fake_arms.out = out
     outcome = cli(["run", "cpu-replay", "--out", str(out), "--quiet"])
-    check_refused(outcome, [f"VLLM_HUST_COMMIT {commit!r}"])
+    check_refused(outcome, [f"{variable} {commit!r}"])
+    assert not out.exists() and fake_arms.ran == 0
+
+
+def test_a_malformed_ascend_commit_is_refused_before_the_run(
+    tmp_path: Path, fake_arms: FakeArms, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Ascend lane's ``VLLM_ASCEND_HUST_COMMIT`` is checked with the others, before the
+    first arm (the lane's tools are not here, so the arms are the fake ones)."""
+    monkeypatch.setenv("VLLM_ASCEND_HUST_COMMIT", "abc\ndef")
+    out = tmp_path / "out"
+    fake_arms.out = out
+    profile = load_profile("ascend-tp4")
+    with pytest.raises(QualificationError, match="VLLM_ASCEND_HUST_COMMIT 'abc\\\\ndef'"):
+        qualification.runner.run_profile(profile, out, repeats=1, arm_runner=fake_arms(profile))
     assert not out.exists() and fake_arms.ran == 0
 
 
