@@ -40,10 +40,11 @@ in progress and the host supplies per-candidate ``pages_released``, U is multipl
 ``1 + shrink_page_weight * pages_released``: only whole empty pages return memory during a
 shrink. With no signals (no kvcached, no simulated pool) or no facts, nothing changes.
 
-Decision cost (contract path, no host facts, from 48 candidates): one C-level read of every
-candidate's computed tokens into a numpy array, then array operations (a Python loop over
-1024 candidates would cost more than vLLM's own victim scan). The least computed candidate
-of the ranked set, the built-in victim and the requester are scored exactly; since
+Decision cost (contract path, no host facts, from 48 candidates): one read of every
+candidate's computed tokens (a list comprehension) into a numpy array, then array
+operations (scoring 1024 candidates in Python would cost more than vLLM's own victim
+scan). The least computed candidate of the ranked set, the built-in victim and the
+requester are scored exactly; since
 ``delta >= base_cost + slope * computed``, the best of them bounds which computed counts can
 still win, and only those candidates (usually a handful) are scored in Python. The result
 is identical to scoring everyone (a property test checks it).
