@@ -61,7 +61,12 @@ from hypothesis import strategies as st
 from bidkv_ext.config import REFERENCE_KEYS, BidKVConfig, ConfigError
 from bidkv_ext.replay import arms, cli
 from bidkv_ext.replay.capacity import CapacityScheduleError, load_capacity_schedule
-from bidkv_ext.replay.steptime import StepTimeModelError, check_step_bound, load_step_model
+from bidkv_ext.replay.steptime import (
+    MIN_STEP_SECONDS,
+    StepTimeModelError,
+    check_step_bound,
+    load_step_model,
+)
 from bidkv_ext.replay.trace import TraceError, TraceRequest, load_trace
 from bidkv_ext.strategies import STRATEGY_NAMES
 from kvcached_provider import cli as kv_cli
@@ -789,7 +794,7 @@ def _step_case(data: st.DataObject, workdir: Path) -> tuple[FileCase, str | None
 
 def _step_number_oracle(fmt: str, coefficient: str, token: str, case: FileCase
                         ) -> Callable[[Any], None] | None:
-    """A coefficient is a finite number >= 0 (``a``, the fixed cost of a step, > 0) that
+    """A coefficient is a finite number >= 0 (``a``, the fixed cost of a step, >= 1e-6) that
     keeps the longest step within the simulated clock's bound; accepted, it is the number
     written."""
     try:
@@ -799,7 +804,7 @@ def _step_number_oracle(fmt: str, coefficient: str, token: str, case: FileCase
     if not isinstance(value, int | float) or isinstance(value, bool):
         case.expect = "refuse"  # strict: true, "0.5", null are no numbers
         return None
-    ok = _finite(value) and (value > 0 if coefficient == "a" else value >= 0)
+    ok = _finite(value) and (value >= MIN_STEP_SECONDS if coefficient == "a" else value >= 0)
     if ok:
         seed = {k: float(v) for k, v in STEP_SEED.items() if k in "abcd"}
         seed[coefficient] = float(value)

@@ -153,7 +153,12 @@ def test_each_objective_keeps_its_option_and_lcf_unless_strictly_better(
 @pytest.mark.parametrize(
     ("knob", "value", "expected"),
     [("BIDKV_ROLLOUT_OBJECTIVE", "cheapest", "one of tax, wait, tax-no-later"),
-     ("BIDKV_ROLLOUT_WIDTH", "four", "a whole number of candidates"),
+     ("BIDKV_ROLLOUT_WIDTH", "four", "a whole number of candidates >= 1"),
+     ("BIDKV_ROLLOUT_WIDTH", "-3", "a whole number of candidates >= 1"),
+     ("BIDKV_ROLLOUT_HORIZON", "nan",
+      "a number of seconds above 0 (inf: to the end of the trace)"),
+     ("BIDKV_ROLLOUT_HORIZON", "0",
+      "a number of seconds above 0 (inf: to the end of the trace)"),
      ("BIDKV_ROLLOUT_KNOWN", "1.5", "a share between 0 and 1"),
      ("BIDKV_ROLLOUT_KNOWN", "nan", "a share between 0 and 1")],
 )
@@ -171,3 +176,27 @@ def test_a_bad_knob_stops_with_one_line_naming_it(
     assert done.stderr.strip().splitlines()[-1] == f"{knob}: expected {expected}, got {value!r}"
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--width", "-3"], "argument --width: expected a whole number of candidates >= 1, got '-3'"),
+     (["--horizon", "nan"], "argument --horizon: expected a number of seconds above 0 (inf: to "
+                            "the end of the trace), got 'nan'"),
+     (["--samples", "-1"], "argument --samples: expected a whole number >= 0 (0: true output "
+                           "lengths), got '-1'")],
+)
+def test_headroom_refuses_a_bad_rollout_option_before_any_replay(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """``headroom.py rollout --width -3 --horizon nan`` used to start the 300 s replays: a
+    negative width sliced candidates off the far end and a NaN deadline was never reached.
+    Both are usage errors now, before any folder or replay."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "replay" / "headroom.py"), "rollout",
+         *argv, "--out", str(tmp_path / "out"), "--no-write"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"headroom.py: error: {message}"
+    assert not (tmp_path / "out").exists()

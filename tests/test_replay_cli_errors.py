@@ -13,9 +13,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,50 @@ def test_capacity_schedule_csv_field_over_limit_and_deep_json(
     deep = _write(tmp_path, "c.json", "[" * 100_000 + "]" * 100_000)
     message = _refused(capsys, tmp_path, "--capacity-schedule", str(deep))
     assert f"{deep}: JSON nested too deeply" in message
+
+
+def test_a_final_capacity_below_a_request_is_refused_before_any_arm(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A capacity schedule whose last capacity cannot hold one request of the window alone
+    used to stop the run inside the arm where that request was still unfinished at the
+    last change (and only there: one policy finished, the next stalled), losing the arms
+    before it. It is refused up front; one block more and the same arms run to the end."""
+    rows = ({"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]},
+            {"timestamp": 3000, "input_length": 150, "output_length": 100, "hash_ids": [1]})
+    trace = _write(tmp_path, "pair.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    # Request 1 holds ceil((150 + 100 - 1) / 16) = 16 blocks.
+    low = _write(tmp_path, "low.json", '[{"t": 1.0, "blocks": 15}]')
+    message = _refused(capsys, tmp_path, "--trace", str(trace), "--num-gpu-blocks", "21",
+                       "--policies", "least-computed-first,builtin",
+                       "--capacity-schedule", str(low))
+    assert message == (
+        f"bidkv-replay: error: --capacity-schedule {low}: its final capacity of 15 blocks "
+        "cannot hold request 1 (150 prompt + 100 output tokens, 16 blocks of 16 tokens) "
+        "alone, so an arm stalls if that request is unfinished at the last change; expected "
+        "a final capacity of at least 16 blocks, or a window without it")
+    assert not (tmp_path / "out").exists()
+    enough = _write(tmp_path, "enough.json", '[{"t": 1.0, "blocks": 16}]')
+    out = tmp_path / "ran"
+    code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
+                 "--no-progress", "--policies", "least-computed-first,builtin",
+                 "--capacity-schedule", str(enough), "--output-dir", str(out)])
+    assert code == 0, capsys.readouterr().err
+    arms = json.loads((out / "report.json").read_text())["arms"]
+    assert [arm["completed"] for arm in arms] == [2, 2]
+
+
+@pytest.mark.parametrize("policies", ["bidkv", "builtin,bidkv{liveness_preemptions=0}"])
+@pytest.mark.parametrize("section", ['"enabled=false"', "[1]", "7"])
+def test_a_bidkv_section_that_is_not_an_object_is_refused_for_named_arms(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, policies: str, section: str
+) -> None:
+    """``--additional-config '{"bidkv": <not an object>}'`` was refused for a
+    ``--preemption-policy`` arm but silently replaced for ``--policies`` arms, whose report
+    still recorded it as the configuration used. Every arm refuses it now."""
+    message = _refused(capsys, tmp_path, "--policies", policies,
+                       "--additional-config", f'{{"bidkv": {section}}}')
+    assert message == "bidkv-replay: error: additional_config['bidkv'] must be a JSON object"
 
 
 def test_additional_config_and_step_model_nested_too_deeply(
@@ -462,3 +508,34 @@ def test_plots_skip_an_arm_without_ttft_samples(tmp_path: Path, umask_022: None)
     write_plots(tmp_path, [("a", [0.1, 0.2]), ("none", [])], arms)
     for name in ("ttft_cdf.png", "bars.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_ctrl_c_during_an_arm_exits_130_in_one_line(tmp_path: Path) -> None:
+    """SIGINT while an arm runs (a real subprocess, a real signal) used to end in a
+    KeyboardInterrupt traceback; it is one line and exit status 130, as a shell reports
+    Ctrl-C, with no report written."""
+    out = tmp_path / "out"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from bidkv_ext.replay.cli import main; "
+         "sys.exit(main())", "--no-plots", "--no-progress", "--output-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        # The output directory is created after every check, right before the first arm.
+        deadline = time.monotonic() + 120
+        while not out.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.exists(), "the replay never reached its first arm"
+        time.sleep(1.0)
+        assert process.poll() is None, "the replay finished before it could be interrupted"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "bidkv-replay: interrupted", err
+    assert "Traceback" not in err
+    assert not (out / "report.json").exists()

@@ -155,15 +155,34 @@ def test_a_mooncake_key_given_twice_is_refused(tmp_path: Path) -> None:
         load_trace(path)
 
 
-def test_a_step_model_without_a_fixed_step_cost_is_refused(
+def test_a_step_model_that_is_a_pipe_is_refused_not_waited_on(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """``--step-model`` naming a FIFO used to block the run for good, reading a pipe no one
+    writes to; it is refused in one line, as a directory is."""
+    fifo = tmp_path / "model.json"
+    os.mkfifo(fifo)
+    for spec in (fifo, tmp_path):
+        message = _refused(capsys, tmp_path, "--trace", str(_trace(tmp_path)),
+                           "--step-model", str(spec))
+        assert message.endswith(
+            f"step model {str(spec)!r}: expected a preset (llama-3.1-8b-h100) or a regular "
+            "file, got a pipe, device or directory")
+
+
+@pytest.mark.parametrize("fixed", [0, 1e-320, 9.9e-7])
+def test_a_step_model_without_a_fixed_step_cost_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fixed: float
+) -> None:
+    """A step's fixed cost of 0 lets a run take no time; one of 1e-320 s passed and then
+    made tokens per second infinite, so report.json could not be written after every arm
+    had run. Both are refused up front, as is anything below a microsecond."""
     model = tmp_path / "zero.json"
-    model.write_text(json.dumps({"name": "zero", "a": 0, "b": 1e-4, "c": 0, "d": 0}))
+    model.write_text(json.dumps({"name": "zero", "a": fixed, "b": 1e-4, "c": 0, "d": 0}))
     message = _refused(capsys, tmp_path, "--trace", str(_trace(tmp_path)),
                        "--step-model", str(model))
-    assert f"{model}: a: Input should be greater than 0" in message
-    assert "a > 0 and the others >= 0" in message
+    assert f"{model}: a: Input should be greater than or equal to 0.000001" in message
+    assert "a >= 1e-06 and the others >= 0" in message
 
 
 @pytest.mark.parametrize(("setting", "flag"), [

@@ -293,12 +293,32 @@ def _share(text: str) -> float:
     return value
 
 
-def _samples_arg(text: str) -> int:
-    try:
-        return _samples(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a whole number >= 0 (0: true output lengths), got {text!r}") from None
+def _horizon(text: str) -> float:
+    """Simulated seconds a child plays ahead: above 0; ``inf`` plays to the end of the
+    trace (NaN would too, as a deadline never reached, under a folder named for NaN)."""
+    value = float(text)
+    if not value > 0.0:  # also refuses NaN
+        raise ValueError(text)
+    return value
+
+
+def _width(text: str) -> int:
+    """How many of the least computed candidates to try: at least one (a negative width
+    sliced candidates off the other end)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _arg(parse: Callable[[str], _T], expected: str) -> Callable[[str], _T]:
+    """``parse`` as an argparse type: a bad value is argparse's one-line usage error."""
+    def convert(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    return convert
 
 
 def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> _T:
@@ -315,6 +335,8 @@ def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> 
 # off reports made with one horizon as another's).
 STANDARD_HORIZON = 20.0
 STANDARD_WIDTH = 4
+HORIZON_EXPECTED = "a number of seconds above 0 (inf: to the end of the trace)"
+WIDTH_EXPECTED = "a whole number of candidates >= 1"
 
 
 class _Rollout:
@@ -326,10 +348,9 @@ class _Rollout:
     reports then.
     """
 
-    horizon = _env("BIDKV_ROLLOUT_HORIZON", f"{STANDARD_HORIZON:g}", float,
-                   "a number of seconds")
-    width = _env("BIDKV_ROLLOUT_WIDTH", str(STANDARD_WIDTH), int,
-                 "a whole number of candidates")
+    horizon = _env("BIDKV_ROLLOUT_HORIZON", f"{STANDARD_HORIZON:g}", _horizon,
+                   HORIZON_EXPECTED)
+    width = _env("BIDKV_ROLLOUT_WIDTH", str(STANDARD_WIDTH), _width, WIDTH_EXPECTED)
     # > 0: children do not see true output lengths; each option is played this many
     # times, each time with freshly sampled lengths (see resample), and its costs averaged.
     samples = _env("BIDKV_ROLLOUT_SAMPLES", "0", _samples, "a whole number of futures >= 0")
@@ -673,11 +694,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--starts", type=_starts, default=None,
                         help="comma-separated slice starts in whole seconds (default: the "
                              "first five of run.py slices; all ten for pc and anatomy)")
-    parser.add_argument("--horizon", type=float, default=_Rollout.horizon,
+    parser.add_argument("--horizon", type=_arg(_horizon, HORIZON_EXPECTED),
+                        default=_Rollout.horizon,
                         help="rollout: simulated seconds each child plays ahead")
-    parser.add_argument("--width", type=int, default=_Rollout.width,
+    parser.add_argument("--width", type=_arg(_width, WIDTH_EXPECTED), default=_Rollout.width,
                         help="rollout: how many of the least computed candidates to try")
-    parser.add_argument("--samples", type=_samples_arg, default=0,
+    parser.add_argument("--samples",
+                        type=_arg(_samples, "a whole number >= 0 (0: true output lengths)"),
+                        default=0,
                         help="rollout: hide true output lengths from the children and "
                              "average this many sampled futures per option (0: clairvoyant)")
     parser.add_argument("--known", type=float, default=0.0,

@@ -331,11 +331,17 @@ def error_line(exc: BaseException) -> str:
 
 def arm_additional_config(arm: Arm, additional_config: Mapping[str, object]) -> dict[str, object]:
     """The ``additional_config`` the engine gives ``arm``: the arm's BidKV overrides merged
-    over the user's ``"bidkv"`` section (a section that is not an object is replaced)."""
+    over the user's ``"bidkv"`` section (``null`` counts as none, as BidKVConfig reads it;
+    anything else but an object is refused, as it is for a ``--preemption-policy`` arm,
+    rather than replaced and still recorded in the report as if it were used)."""
+    from bidkv_ext.config import ADDITIONAL_CONFIG_KEY, ConfigError
+
     additional = dict(additional_config)
+    section = additional.get(ADDITIONAL_CONFIG_KEY)
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a JSON object")
     if arm.bidkv_overrides is not None:
-        section = additional.get("bidkv")
-        merged = dict(section) if isinstance(section, Mapping) else {}
+        merged = dict(section) if section is not None else {}
         merged.update(arm.bidkv_overrides)
         additional["bidkv"] = merged
     return additional

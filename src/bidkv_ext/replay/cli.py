@@ -250,12 +250,40 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _fits(request: TraceRequest, usable_blocks: int, block_size: int) -> bool:
-    """Whether the request can run alone in the pool. Its KV holds the positions the model
-    executes: the prompt and every output token but the last, which is sampled and never
+def _blocks(request: TraceRequest, block_size: int) -> int:
+    """The KV blocks the request holds when it runs alone to its end: the positions the model
+    executes, the prompt and every output token but the last, which is sampled and never
     fed back (vLLM allocates slots for ``num_computed_tokens + num_new_tokens``)."""
     positions = request.input_length + request.output_length - 1
-    return -(-positions // block_size) <= usable_blocks
+    return -(-positions // block_size)
+
+
+def _fits(request: TraceRequest, usable_blocks: int, block_size: int) -> bool:
+    """Whether the request can run alone in the pool."""
+    return _blocks(request, block_size) <= usable_blocks
+
+
+def _check_final_capacity(
+    capacity: CapacitySchedule, requests: Sequence[TraceRequest], block_size: int, path: Path
+) -> None:
+    """Refuse a schedule whose last capacity cannot hold a request of the window alone.
+
+    After the last change nothing frees room for such a request, so an arm stalls if it is
+    still unfinished then, and whether it is depends on the arm's policy: the run would stop
+    in the middle of some arm, costing the arms before it. With every request fitting, the
+    pool can always run the oldest one alone, so no arm stalls.
+    """
+    final = capacity.points[-1].blocks
+    largest = max(requests, key=lambda r: _blocks(r, block_size))
+    need = _blocks(largest, block_size)
+    if need > final:
+        raise _UsageError(
+            f"--capacity-schedule {path}: its final capacity of {final} blocks cannot hold "
+            f"request {largest.index} ({largest.input_length} prompt + "
+            f"{largest.output_length} output tokens, {need} blocks of {block_size} tokens) "
+            f"alone, so an arm stalls if that request is unfinished at the last change; "
+            f"expected a final capacity of at least {need} blocks, or a window without it"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -272,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # friends, vLLM's own pydantic configs) are ValueErrors naming the setting.
         print(f"bidkv-replay: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a fault: one line, the shell's 128 + SIGINT.
+        # Output files are written atomically, so none is left half-written.
+        print("bidkv-replay: interrupted", file=sys.stderr)
+        return 130
 
 
 def _one_line(exc: ValueError) -> str:
@@ -301,6 +334,8 @@ def _run(args: argparse.Namespace) -> int:
     arms = _policy_arms(args, additional)
     raw = load_trace(trace_path, args.format)
     selection, requests = _window(args, raw, trace_path, num_blocks - 1)
+    if capacity is not None:
+        _check_final_capacity(capacity, requests, args.block_size, args.capacity_schedule)
 
     # Imported here: the engine pulls in vLLM (seconds), not needed for usage errors.
     from bidkv_ext.replay.engine import ReplayError, preflight_arms

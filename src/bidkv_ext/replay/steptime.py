@@ -40,6 +40,7 @@ Other presets or measured fits go in a JSON or TOML file with the keys ``name``,
 from __future__ import annotations
 
 import json
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,12 @@ PRESETS: dict[str, StepTimeModel] = {
 }
 
 
+MIN_STEP_SECONDS = 1e-6
+"""The least fixed cost of a step a model file may set: far below any real engine's
+(milliseconds), yet it keeps every rate finite (with ``a`` at 1e-320 s tokens per second
+overflowed to infinity, which the report cannot hold, after every arm had run)."""
+
+
 class StepTimeModelError(ValueError):
     """A step-time model file that cannot be used."""
 
@@ -101,10 +108,11 @@ class _ModelFile(BaseModel):
 
     # Finite: an infinite coefficient makes every step last forever (the report's JSON
     # cannot even hold it), and json.loads accepts Infinity and NaN. The fixed cost of a
-    # step is positive: with it 0, a step could take no time, and a run no time at all
-    # (throughput and goodput would divide by a zero makespan).
+    # step is at least MIN_STEP_SECONDS: with it 0, a step could take no time, and a run no
+    # time at all (throughput and goodput would divide by a zero makespan); with it tiny,
+    # they overflow.
     name: str = Field(min_length=1)
-    a: float = Field(gt=0, allow_inf_nan=False)
+    a: float = Field(ge=MIN_STEP_SECONDS, allow_inf_nan=False)
     b: float = Field(ge=0, allow_inf_nan=False)
     c: float = Field(ge=0, allow_inf_nan=False)
     d: float = Field(ge=0, allow_inf_nan=False)
@@ -118,6 +126,11 @@ def load_step_model(spec: str) -> StepTimeModel:
         return preset
     path = Path(spec)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            # A pipe with no writer would block the run here for good.
+            raise StepTimeModelError(
+                f"step model {spec!r}: expected a preset ({', '.join(sorted(PRESETS))}) or a "
+                "regular file, got a pipe, device or directory")
         raw = path.read_bytes()
     except OSError as exc:
         names = ", ".join(sorted(PRESETS))
@@ -140,7 +153,7 @@ def load_step_model(spec: str) -> StepTimeModel:
         where = error_location(first["loc"], "<root>")
         raise StepTimeModelError(
             f"{path}: {where}: {first['msg']} (expected keys name, a, b, c, d: finite numbers, "
-            "a > 0 and the others >= 0, source)"
+            f"a >= {MIN_STEP_SECONDS:g} and the others >= 0, source)"
         ) from None
     return StepTimeModel(parsed.name, parsed.a, parsed.b, parsed.c, parsed.d, parsed.source)
 
