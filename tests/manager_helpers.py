@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +86,24 @@ def fake_site(
     path.mkdir()
     monkeypatch.syspath_prepend(str(path))
     return path
+
+
+class Blocked(BaseException):
+    """A call that should have returned at once is still blocked (a BaseException, so the
+    CLI's catch-all cannot turn it into an error line)."""
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM interrupts a blocking open() in this thread."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise Blocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

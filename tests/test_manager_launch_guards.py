@@ -9,13 +9,16 @@ rule 4); a false boolean launch option renders no flag. Also: each of §4's conf
 errors is ``incompatible`` with its own text; an out-of-range host is the only check
 evidence; overrides and JSON launch options reach the launch; the plan's enabled flag,
 policy warning and native manifest follow the manifest and state; a real launch binds
-strict evidence with a stable plan id and a fresh launch id.
+strict evidence with a stable plan id and a fresh launch id. A ``--config`` file that
+is a FIFO or directory, or not a UTF-8 YAML mapping, is one line naming it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +27,7 @@ from typing import Any
 import pytest
 from hust_ext_manager import cli
 
-from tests.manager_helpers import fake_site, install_bundles, invoke
+from tests.manager_helpers import fake_site, install_bundles, invoke, within
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = json.loads(
@@ -177,6 +180,55 @@ def test_an_unexpected_exception_is_one_internal_error_line(
         "vllm-hust-ext: error: internal error: RuntimeError: discovery exploded second line"
     )
     assert "Traceback" not in err
+
+
+def _serve_with_config(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """``run --dry-run -- vllm serve m --config PATH`` refused: its one error line."""
+    with within(10):
+        code, out, err = invoke(
+            ["run", "--dry-run", "--", "vllm", "serve", "m", "--config", str(path)], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_config_file_that_is_not_a_regular_file_is_refused_at_once(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """``--config`` names a file vLLM reads, so ``run`` reads it even with no bundle
+    enabled; a FIFO there (which a plain open() waits on forever) or a directory is
+    refused at once, in one line naming it, and the FIFO is left as it was."""
+    path = tmp_path / "serve.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    assert _serve_with_config(path, capsys) == (
+        f"vllm-hust-ext: error: --config {path} is not a regular file: expected a regular "
+        "file holding a UTF-8 YAML mapping of options")
+    assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else path.is_dir()
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (b"\xff\xfe: 1\n", "is not UTF-8 (byte 0)"),
+    (b"[" * 5000 + b"]" * 5000, "is nested too deeply"),
+    (b"port: 2020-13-45\n", "is not valid YAML (month must be in 1..12)"),
+    (b"port: " + b"9" * 5000 + b"\n", "is not valid YAML (Exceeds the limit (4300 digits)"),
+    (b"port: [1\n", "is not valid YAML (expected ',' or ']', but got '<stream end>' at line 2"),
+    (b"- port\n", "is not a mapping of options"),
+], ids=["not-utf8", "deep", "bad-date", "long-integer", "syntax", "list"])
+def test_a_config_file_that_is_not_a_yaml_mapping_is_one_line_naming_it(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, problem: str
+) -> None:
+    """Whatever a ``--config`` file holds, a failure to read it as a UTF-8 YAML mapping is
+    one line naming the file, what is wrong and what was expected: not a bare decoder
+    message, nor an "internal error" for nesting or for a scalar YAML constructs with
+    Python's own int() or date()."""
+    path = tmp_path / "serve.yaml"
+    path.write_bytes(data)
+    line = _serve_with_config(path, capsys)
+    assert line.startswith(f"vllm-hust-ext: error: --config {path} {problem}"), line
+    assert line.endswith("expected a UTF-8 YAML mapping of options"), line
 
 
 # --- provider check rules ---------------------------------------------------------------

@@ -6,7 +6,9 @@ untouched by every mutating verb; 20 manager processes enabling, disabling and
 configuring different ids at the same moment lose none of their updates (the lock file).
 Bad input is one error line naming the file or variable: JSON the parser rejects with a
 plain ValueError (an over-long integer), a whitespace-only ``VLLM_HUST_EXT_CONFIG``, a
-state path that is a FIFO (refused at once, never waited on) or a directory. As in
+state path that is a FIFO (refused at once, never waited on) or a directory (refused
+before its lock file is made), a ``VLLM_HUST_EXT_CONFIG`` spelled as a directory ("/"),
+a ``configure --file`` FIFO or directory. As in
 the official manager, unknown top-level keys are ignored and NaN is read and written back.
 A symlinked state file stays a link, and its target gets the new state. ``list``,
 ``inspect`` and ``status`` show the stored enabled flag; ``configure`` needs an installed
@@ -29,7 +31,7 @@ import pytest
 from hust_ext_manager import state as state_module
 from hust_ext_manager.state import load_state, parse_state
 
-from tests.manager_helpers import invoke
+from tests.manager_helpers import invoke, within
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("vllm-hust-ext"))
@@ -347,6 +349,66 @@ def test_a_state_path_that_is_not_a_regular_file_is_refused_at_once(
         assert line == f"vllm-hust-ext: error: vllm-hust-ext config {path} is not a regular file"
     assert stat.S_ISFIFO(path.stat().st_mode) if kind == "fifo" else path.is_dir()
     assert not list(tmp_path.glob(".config-*"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_configuration_file_that_is_not_a_regular_file_is_refused_at_once(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str
+) -> None:
+    """``configure --file`` at a FIFO (which a plain open() waits on forever) or a
+    directory: exit 2 at once, one line naming the file and what was expected, and the
+    stored state is left as it was."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    before = config.read_bytes()
+    settings = tmp_path / "settings.json"
+    if kind == "fifo":
+        os.mkfifo(settings)
+    else:
+        settings.mkdir()
+    with within(10):
+        code, out, err = invoke(
+            ["extension", "configure", "org.test.a", "--file", str(settings)], capsys)
+    assert (code, out) == (2, "") and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: extension configuration file {settings} is not a regular "
+        "file: expected a regular file holding a UTF-8 JSON object")
+    assert config.read_bytes() == before
+
+
+@pytest.mark.parametrize("value", ["/", ".", "..", "/.", "sub/.."])
+def test_a_config_variable_naming_only_a_directory_is_refused(
+    tmp_path: Path, value: str
+) -> None:
+    """A ``VLLM_HUST_EXT_CONFIG`` that can only name a directory ("/" has no name at all,
+    which used to end in "PosixPath('/') has an empty name") is one line naming the
+    variable and saying a path to the state file was expected, for a reading and a
+    mutating verb."""
+    for argv in (["extension", "list"], ["extension", "disable", "org.test.a"]):
+        line = _one_error_line(_cli(value, argv, tmp_path))
+        assert line == (
+            "vllm-hust-ext: error: VLLM_HUST_EXT_CONFIG must be a path to the state file, "
+            f"not the directory {value!r}")
+
+
+@pytest.mark.parametrize("kind", ["directory", "directory-slash", "fifo"])
+def test_a_refused_state_path_leaves_no_lock_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    kind: str,
+) -> None:
+    """A mutating verb refuses a state path that is a directory (spelled with or without a
+    trailing slash) or a FIFO before it creates the sibling lock file: the refused
+    command leaves nothing behind."""
+    path = tmp_path / "state"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", str(path) + ("/" if kind.endswith("slash") else ""))
+    code, _, err = invoke(["extension", "disable", "org.test.a"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: vllm-hust-ext config {path} is not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
 
 
 def test_unknown_top_level_keys_and_nan_are_read_as_the_official_manager_reads_them(

@@ -536,6 +536,26 @@ def test_only_the_bundles_own_distribution_registers_its_hooks(
     assert not marker.exists()
 
 
+def test_a_hook_of_a_distribution_without_a_name_is_not_the_bundles(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A distribution whose METADATA has no ``Name`` cannot be the bundle's own (discovery
+    refuses one as a bundle's), so a check it registers under the bundle's id is never
+    loaded, and ``status`` still answers (it used to end in "internal error:
+    AttributeError")."""
+    marker = _check_module(site, "return [(False, 'vetoed')]", "fakecheck_nameless")
+    install(site, {"org.test.p": BASE})
+    nameless = site / "nameless-1.0.dist-info"
+    nameless.mkdir()
+    (nameless / "METADATA").write_text("Metadata-Version: 2.1\nVersion: 1.0\n")
+    (nameless / "entry_points.txt").write_text(
+        "[vllm_hust_ext.bundle_checks]\norg.test.p = fakecheck_nameless:check\n")
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
+    shown = status("org.test.p", capsys)
+    assert "vetoed" not in shown["evidence"] and "degraded" not in shown["states"]
+    assert not marker.exists()
+
+
 def test_a_raising_bundle_check_is_a_failed_line(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1433,6 +1453,37 @@ def test_a_declared_platform_plugin_must_be_the_bundles_own_too(
         "'org.test.q' activation entry point vllm.platform_plugins:kvp is not published by "
         "distribution 'fake-status'"
     )
+
+
+def test_a_malformed_plugin_entry_point_value_is_the_bundles_own_diagnostic(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A declared plugin whose entry point value in the distribution's entry_points.txt
+    names no module (``kvp = !!!``) makes that bundle invalid, with a line naming the entry
+    point and its value; ``list`` still lists the other bundles (it used to abort with
+    "internal error: AttributeError") and strict discovery of the bundle is one line."""
+    plugin = _with(
+        _other({}), activation__entry_points=[{"group": "vllm.general_plugins", "name": "kvp"}]
+    )
+    install(site, {"org.test.p": BASE, "org.test.q": plugin},
+            plugins={"kvp": "fakestatus.kvp_plugin"})
+    entry_points = site / "fake_status-1.0.dist-info" / "entry_points.txt"
+    entry_points.write_text(
+        entry_points.read_text().replace("kvp = fakestatus.kvp_plugin:register", "kvp = !!!"))
+    why = ("'org.test.q' activation entry point vllm.general_plugins:kvp has the value '!!!' "
+           "in distribution 'fake-status''s entry_points.txt: expected 'module:attribute'")
+    code, out, err = invoke(["extension", "list", "--json"], capsys)
+    assert code == 0, err
+    listed = {d["bundle_id"]: d for d in json.loads(out)}
+    assert listed["org.test.p"]["bundle_version"] == BASE["extension_version"]
+    assert listed["org.test.q"] == {
+        "bundle_id": "org.test.q", "discovery_error": why, "valid": False}
+    code, out, err = invoke(["extension", "list"], capsys)
+    assert code == 0
+    assert out.startswith("org.test.p ")
+    assert err.splitlines() == [f"org.test.q invalid {why}"]
+    code, _, err = invoke(["extension", "inspect", "org.test.q"], capsys)
+    assert code == 2 and err.splitlines()[-1] == f"vllm-hust-ext: error: {why}"
 
 
 def test_only_the_vllm_provider_is_served(

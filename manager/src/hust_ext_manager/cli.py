@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from hust_ext_manager import __version__, provider
 from hust_ext_manager.discovery import InstalledBundle, discover, discover_tolerant
+from hust_ext_manager.fileio import NotARegularFileError, open_regular
 from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 from hust_ext_manager.launch import (
     ENABLED_BUNDLES_ENV,
@@ -253,7 +254,16 @@ def _forget(bundle_id: str) -> None:
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
     try:
-        configuration = load_json(Path(file).read_text(encoding="utf-8"))
+        # Never a plain open(): a FIFO named here would keep the command waiting forever.
+        with open_regular(Path(file)) as stream:
+            data = stream.read()
+    except NotARegularFileError:
+        raise ValueError(
+            f"extension configuration file {file} is not a regular file: expected a regular "
+            "file holding a UTF-8 JSON object"
+        ) from None
+    try:
+        configuration = load_json(data.decode("utf-8"))
     except (UnicodeDecodeError, JSONInputError) as error:
         raise ValueError(
             f"extension configuration file {file} is not valid UTF-8 JSON: {error}"

@@ -159,11 +159,27 @@ def _check_plugins(
         found = published.get((ref.group, ref.name))
         if found is None:
             raise DiscoveryError(f"{where} is not published by distribution {dist_name!r}")
-        if not _ships_module(dist, recorded, found.module):
+        module = _target_module(found)
+        if module is None:
             raise DiscoveryError(
-                f"{where} targets module {found.module!r}, which distribution {dist_name!r} "
+                f"{where} has the value {found.value!r} in distribution {dist_name!r}'s "
+                "entry_points.txt: expected 'module:attribute'"
+            )
+        if not _ships_module(dist, recorded, module):
+            raise DiscoveryError(
+                f"{where} targets module {module!r}, which distribution {dist_name!r} "
                 "does not contain"
             )
+
+
+def _target_module(entry_point: EntryPoint) -> str | None:
+    """The module an entry point's value names; ``None`` for a value that names none.
+
+    ``EntryPoint.module`` fails with an AttributeError (an AssertionError on newer
+    Pythons) on such a value, and entry_points.txt is the distribution's to write.
+    """
+    match = entry_point.pattern.match(entry_point.value)
+    return None if match is None else match.group("module")
 
 
 def _manifest_path(

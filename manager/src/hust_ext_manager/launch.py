@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hust_ext_manager.fileio import NotARegularFileError, open_regular
 from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 from hust_ext_manager.provider import RENDERED_OPTIONS
 
@@ -127,11 +128,15 @@ def without_option(command: list[str], option: str) -> list[str]:
     return [arg for index, arg in enumerate(command) if index not in drop]
 
 
+_CONFIG_EXPECTED = "expected a UTF-8 YAML mapping of options"
+
+
 def config_file_options(command: list[str]) -> frozenset[str] | None:
     """The options a ``--config FILE`` of ``command`` sets, as vLLM reads them (it inserts
     the YAML file's keys as options before the command line's); ``None`` without one.
 
-    Raises ValueError when the file cannot be read as a YAML mapping.
+    Raises ValueError (one line naming the file) when it cannot be read as a UTF-8 YAML
+    mapping.
     """
     if "--config" not in command:  # vLLM expands only this exact token
         return None
@@ -141,20 +146,61 @@ def config_file_options(command: list[str]) -> frozenset[str] | None:
     path = command[index + 1]
     if not path.endswith((".yaml", ".yml")):
         return None  # not a vLLM config file (vLLM itself refuses one)
-    import yaml  # only for a command with --config
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError) as error:
-        reason = getattr(error, "strerror", None) or type(error).__name__
-        raise ValueError(f"--config {path}: cannot be read as YAML: {reason}") from None
+    document = _read_config_file(path)
     if document is None:
         return frozenset()
     if not isinstance(document, dict):
-        raise ValueError(f"--config {path}: expected a YAML mapping of options")
+        raise ValueError(f"--config {path} is not a mapping of options: {_CONFIG_EXPECTED}")
     names = (_option_name(f"--{key}") for key in document)
     return frozenset(name for name in names if name is not None)
+
+
+def _read_config_file(path: str) -> object:
+    """The YAML document of a ``--config`` file; ValueError (one line naming the file)
+    when it cannot be read as UTF-8 YAML.
+
+    The file is the caller's to name, so it may be a FIFO (a plain open() would wait for a
+    writer forever) or hold anything: YAML's constructors raise the ValueError of Python's
+    own int()/date() for a malformed scalar, and deep nesting is a RecursionError.
+    """
+    try:
+        with open_regular(Path(path)) as stream:
+            data = stream.read()
+    except NotARegularFileError:
+        raise ValueError(
+            f"--config {path} is not a regular file: expected a regular file holding a UTF-8 "
+            "YAML mapping of options"
+        ) from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"--config {path} cannot be read ({reason}): {_CONFIG_EXPECTED}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--config {path} is not UTF-8 (byte {error.start}): {_CONFIG_EXPECTED}"
+        ) from None
+    import yaml  # only for a command with --config
+
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"--config {path} is nested too deeply: {_CONFIG_EXPECTED}") from None
+    except (yaml.YAMLError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"--config {path} is not valid YAML ({_yaml_problem(error)}): {_CONFIG_EXPECTED}"
+        ) from None
+
+
+def _yaml_problem(error: Exception) -> str:
+    """One line saying what is wrong and where (YAML's own texts span several lines)."""
+    import yaml
+
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        return " ".join(error.problem.split()) + where
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def last_value(command: list[str], option: str) -> str | None:

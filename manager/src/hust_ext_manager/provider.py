@@ -396,7 +396,18 @@ def _own_hooks(group: str, bundle: InstalledBundle) -> list[importlib.metadata.E
     that no other installed distribution can veto its launch or run code in its name."""
     own = canonicalize_name(bundle.distribution)
     return [e for e in importlib.metadata.entry_points(group=group, name=bundle.bundle_id)
-            if e.dist is not None and canonicalize_name(e.dist.name) == own]
+            if e.dist is not None and _canonical_name(e.dist) == own]
+
+
+def _canonical_name(dist: importlib.metadata.Distribution) -> str | None:
+    """``dist``'s normalized name; ``None`` when its METADATA gives none (or cannot be
+    read). Discovery refuses such a distribution as a bundle's own, so its hooks are never
+    the bundle's."""
+    try:
+        name = dist.metadata["Name"]
+    except (OSError, ValueError, KeyError):  # undecodable; KeyError: newer Pythons, no Name
+        return None
+    return canonicalize_name(name) if isinstance(name, str) and name else None
 
 
 def bundle_checks(

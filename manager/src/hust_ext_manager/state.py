@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -94,7 +95,14 @@ def config_path() -> Path:
     if not override.strip():
         # Path(" ") is a file named " " in the working directory: surely not what was meant.
         raise ValueError(f"{CONFIG_ENV} must be a path to the state file, not only whitespace")
-    return Path(override)
+    path = Path(override)
+    if path.name in ("", ".."):
+        # "/", "." or "..": a directory by its spelling alone, never a file's path (and
+        # the sibling lock file of "/" has no name to take).
+        raise ValueError(
+            f"{CONFIG_ENV} must be a path to the state file, not the directory {override!r}"
+        )
+    return path
 
 
 def parse_state(document: object) -> State:
@@ -130,6 +138,10 @@ def _entry(extension_id: str, value: object) -> ExtensionState:
     return ExtensionState(enabled=enabled, configuration=configuration)
 
 
+def _not_regular(target: Path) -> ValueError:
+    return ValueError(f"vllm-hust-ext config {target} is not a regular file")
+
+
 def load_state(path: Path | None = None) -> State:
     target = config_path() if path is None else path
     try:
@@ -138,7 +150,7 @@ def load_state(path: Path | None = None) -> State:
     except FileNotFoundError:
         return State()
     except NotARegularFileError as error:
-        raise ValueError(f"vllm-hust-ext config {target} is not a regular file") from error
+        raise _not_regular(target) from error
     except UnicodeDecodeError as error:
         raise ValueError(f"vllm-hust-ext config {target} is not UTF-8") from error
     try:
@@ -189,10 +201,24 @@ def _locked(target: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+def _refuse_non_regular(target: Path) -> None:
+    """Refuse a state path that names a directory, FIFO or device before its lock file is
+    created, so that a refused command leaves no ``<name>.lock`` behind. (A lock file
+    cannot be removed afterwards instead: another writer may already be waiting on it.)
+    The read under the lock checks again; this only keeps the refusal clean."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:  # missing (a new state file) or unreadable: the locked read decides
+        return
+    if not stat.S_ISREG(mode):
+        raise _not_regular(target)
+
+
 def mutate_state(change: Callable[[State], State], path: Path | None = None) -> State:
     """Read, change and write the state under the lock; refuses (raises) on a bad file."""
     target = config_path() if path is None else path
     real = _resolved(target)
+    _refuse_non_regular(real)
     # Lock, read and write the resolved file: two links to one state file share one lock,
     # and a link retargeted meanwhile cannot make us write one file's state over another.
     with _locked(real):
