@@ -21,6 +21,7 @@ from types import FrameType
 from typing import NoReturn
 
 from qualification.errors import QualificationError, one_line
+from qualification.paths import path_kind, read_regular
 from qualification.profile import MAX_REPEATS, PROFILE_DIR, ManagerSpec, load_profile
 
 __all__ = ["main"]
@@ -130,13 +131,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _release_check(args: argparse.Namespace) -> int:
-    from qualification.release import check_release
+    from qualification.release import RECORDS_EXPECTED, check_release
 
-    missing = [str(p) for p in args.records or [] if not p.exists()]
+    missing = [
+        str(p) for p in args.records or []
+        if path_kind(p, f"--records {p}", RECORDS_EXPECTED) == "missing"
+    ]
     if missing:
         raise QualificationError(
             f"--records {', '.join(missing)}: no such file or directory; "
-            "expected a record file or a directory of records"
+            f"expected {RECORDS_EXPECTED}"
         )
     records = args.records or [DEFAULT_RECORDS]
     result = check_release(args.root, records)
@@ -153,8 +157,9 @@ def _release_check(args: argparse.Namespace) -> int:
 
 
 def _read_log(path: Path) -> str:
+    # A FIFO (or a device) is refused, not waited on: a plain open blocks until a writer.
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        return read_regular(path).decode("utf-8", errors="replace")
     except OSError as exc:
         raise QualificationError(
             f"--verify-log {path}: cannot be read ({exc.strerror or exc}); "

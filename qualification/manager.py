@@ -46,7 +46,9 @@ def resolve_tool(command: Sequence[str]) -> list[str] | None:
     found = shutil.which(command[0])
     if found is None:
         sibling = Path(sys.executable).parent / command[0]
-        found = str(sibling) if sibling.is_file() and os.access(sibling, os.X_OK) else None
+        # os.path.isfile, not Path.is_file: a name no file can have (too long, a NUL) is
+        # not found, as shutil.which has it, rather than an OSError traceback.
+        found = str(sibling) if os.path.isfile(sibling) and os.access(sibling, os.X_OK) else None
     return None if found is None else [found, *command[1:]]
 
 

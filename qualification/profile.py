@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from qualification.errors import QualificationError, unparsable_reason
+from qualification.paths import PathKind, path_kind
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 # Pairs per cell. The spec asks for 3 and suggests >= 10 where time allows; each pair is two
@@ -284,22 +285,31 @@ class Profile(_Frozen):
         return self
 
 
+def _expected() -> str:
+    known = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+    return f"one of {known} or a .toml path"
+
+
+def _kind(path: Path, name_or_path: str) -> PathKind:
+    return path_kind(path, f"profile {name_or_path!r}", _expected())
+
+
 def resolve_profile_path(name_or_path: str) -> Path:
     """A bundled profile name (``cuda``) or a path to a TOML file."""
     candidate = Path(name_or_path)
-    if candidate.suffix == ".toml" or candidate.exists():
+    if candidate.suffix == ".toml" or _kind(candidate, name_or_path) != "missing":
         return candidate
     return PROFILE_DIR / f"{name_or_path}.toml"
 
 
 def load_profile(name_or_path: str) -> Profile:
     path = resolve_profile_path(name_or_path)
-    if not path.is_file():
-        known = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+    kind = _kind(path, name_or_path)
+    if kind != "file":
         raise QualificationError(
             f"profile {name_or_path!r}: "
-            f"{'not a regular file' if path.exists() else 'no such file'} {path}; "
-            f"expected one of {known} or a .toml path"
+            f"{'no such file' if kind == 'missing' else 'not a regular file'} {path}; "
+            f"expected {_expected()}"
         )
     try:
         raw = path.read_bytes()

@@ -4,15 +4,17 @@ Checks, all reported together:
 
 1. The version in ``src/bidkv_ext/_version.py`` is the distribution version: pyproject
    either reads it dynamically from that attribute or states the same static version.
-2. Every bundle manifest the pyproject registers (``vllm_hust.extension_bundles``) has
-   ``extension_version`` equal to that version.
+2. Every bundle manifest the pyproject registers (``vllm_hust.extension_bundles``, a
+   dotted package path under the root or ``src/``) has ``extension_version`` equal to that
+   version.
 3. ``CHANGELOG.md`` has a released section ``## [<version>]`` (Keep a Changelog).
 4. A passing qualification record exists for this version whose host version lies in the
    BidKV manifest's host range, from an accelerator run (the CPU replay record gates CI,
    not releases).
 5. If the manifest carries ``activation.additional_config._manager_runtime_qualification``,
    a passing record in range also matches that profile (accelerator, model, tensor
-   parallel size, execution mode; ``tested_runtime_commit`` when the record has a commit).
+   parallel size, execution mode; ``tested_runtime_commit`` when the record has a commit),
+   each value of the profile's own JSON type.
 
 The profile is *optional* in the manifest. With it present, ``vllm-hust-ext run`` refuses
 the bundle until the operator declares a matching passed ``runtime_qualification``
@@ -24,11 +26,8 @@ when the profile is present it must agree with a record (rule 5).
 from __future__ import annotations
 
 import ast
-import errno
 import json
-import os
 import re
-import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from qualification import RECORD_SCHEMA
-from qualification.errors import unparsable_reason
+from qualification.errors import QualificationError, unparsable_reason
+from qualification.paths import path_kind, read_regular
 
 __all__ = ["ReleaseCheck", "check_release"]
 
@@ -47,7 +47,11 @@ MANIFEST_NAMES = ("vllm-hust-extension-v0.2.json", "vllm-hust-extension-v1.json"
 PROFILE_KEY = "_manager_runtime_qualification"
 PROFILE_MATCH_KEYS = ("accelerator", "model", "tensor_parallel_size", "execution_mode")
 PRIMARY_BUNDLE = "org.vllm-hust.bidkv"
+RECORDS_EXPECTED = "a record file or a directory of records"
 CI_ACCELERATOR = "cpu"
+# A bundle's manifest directory as vllm-hust-ext reads the entry point (discovery.py):
+# identifiers joined by dots, so the manifest always lies inside the tree checked.
+DOTTED_DIRECTORY = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +66,10 @@ class ReleaseCheck:
 
 
 def _read_text(path: Path) -> str:
-    """A file of the release tree or a record, as UTF-8 text.
-
-    Opened non-blocking and checked on the descriptor: a FIFO at one of these paths would
-    otherwise block ``release-check`` forever. It is an OSError (or UnicodeDecodeError) for
-    the caller to list as a problem, like a file that cannot be read.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return stream.read().decode("utf-8")
+    """A file of the release tree or a record, as UTF-8 text; a FIFO at the path is refused
+    at once (OSError) rather than blocking ``release-check`` forever. An OSError or
+    UnicodeDecodeError is for the caller to list as a problem."""
+    return read_regular(path).decode("utf-8")
 
 
 def read_version(root: Path, problems: list[str]) -> str | None:
@@ -153,10 +150,13 @@ def _check_pyproject(root: Path, version: str, problems: list[str]) -> dict[str,
 
 
 def _manifest_path(root: Path, dotted: str) -> Path | None:
+    """The bundle's manifest in the tree (at the dotted package path under the root or
+    ``src/``), or None. A candidate that cannot be examined (a part longer than a file
+    name may be) raises QualificationError, for the caller to list."""
     for base in (root, root / "src"):
         for name in MANIFEST_NAMES:
             candidate = base.joinpath(*dotted.split(".")) / name
-            if candidate.is_file():
+            if path_kind(candidate, str(candidate), "a manifest file") == "file":
                 return candidate
     return None
 
@@ -170,7 +170,19 @@ def _load_manifests(
             f"pyproject.toml registers no {BUNDLE_GROUP} entry point {PRIMARY_BUNDLE!r}"
         )
     for bundle_id, dotted in sorted(entry_points.items()):
-        path = _manifest_path(root, str(dotted))
+        if not isinstance(dotted, str) or not DOTTED_DIRECTORY.fullmatch(dotted):
+            # An absolute path or a '/' in it would name a manifest outside the tree,
+            # which is not what gets released (and vllm-hust-ext refuses it).
+            problems.append(
+                f"bundle {bundle_id}: manifest location {dotted!r} is not a dotted package "
+                "path; expected one like manifests.bidkv, under the root or src/"
+            )
+            continue
+        try:
+            path = _manifest_path(root, dotted)
+        except QualificationError as exc:
+            problems.append(f"bundle {bundle_id}: {exc}")
+            continue
         if path is None:
             problems.append(f"bundle {bundle_id}: no manifest under {dotted}")
             continue
@@ -208,20 +220,28 @@ def _check_changelog(root: Path, version: str, problems: list[str]) -> None:
         problems.append(f"CHANGELOG.md has no released section '## [{version}]'")
 
 
+def _record_files(base: Path) -> list[Path]:
+    """The ``*.json`` under a directory, else ``base`` itself (a FIFO given as the record
+    is then named as not a regular file); none when nothing is there."""
+    kind = path_kind(base, f"--records {base}", RECORDS_EXPECTED)
+    if kind == "directory":
+        return sorted(base.rglob("*.json"))
+    return [] if kind == "missing" else [base]
+
+
 def _iter_records(
     dirs: Iterable[Path], unreadable: list[str]
 ) -> Iterable[tuple[Path, dict[str, object]]]:
     """The records under ``dirs``; a ``*.json`` that cannot be parsed is added to
     ``unreadable`` (it may be a damaged record, so it is named rather than dropped)."""
     for base in dirs:
-        files = [base] if base.is_file() else sorted(base.rglob("*.json")) if base.is_dir() else []
-        for path in files:
-            if not path.is_file():  # a FIFO, say: named as such, not as bad JSON
-                unreadable.append(f"{path.name} (not a regular file)")
-                continue
+        for path in _record_files(base):
             try:
                 doc = json.loads(_read_text(path))
-            except (OSError, ValueError, RecursionError) as exc:
+            except OSError as exc:  # a FIFO, say: named as such, not as bad JSON
+                unreadable.append(f"{path.name} ({exc.strerror or exc})")
+                continue
+            except (ValueError, RecursionError) as exc:
                 unreadable.append(f"{path.name} (cannot be read as JSON: {unparsable_reason(exc)})")
                 continue
             if isinstance(doc, dict) and doc.get("schema") == RECORD_SCHEMA:
@@ -257,6 +277,12 @@ def _record_in_range(
     return None
 
 
+def _same(wanted: object, got: object) -> bool:
+    """Equal and of the same JSON type: Python's ``True == 1 == 1.0`` would let a record's
+    ``true`` or ``1.0`` match a manifest's tensor parallel size 1."""
+    return type(wanted) is type(got) and wanted == got
+
+
 def _profile_mismatch(
     doc: Mapping[str, object], profile: Mapping[str, object]
 ) -> dict[str, object]:
@@ -265,12 +291,14 @@ def _profile_mismatch(
     diff: dict[str, object] = {
         key: (profile[key], rec.get(key))
         for key in PROFILE_MATCH_KEYS
-        if key in profile and profile[key] != rec.get(key)
+        if key in profile and not _same(profile[key], rec.get(key))
     }
     ext = doc.get("extension")
     commit = ext.get("commit") if isinstance(ext, Mapping) else None
     wanted = profile.get("tested_runtime_commit")
-    if wanted and commit and wanted != commit:
+    # A record names no commit with null; any other value (false, [], "") is a commit
+    # that must match, not a record without one.
+    if wanted and commit is not None and not _same(wanted, commit):
         diff["tested_runtime_commit"] = (wanted, commit)
     func = profile.get("functional_compatibility")
     if isinstance(func, Mapping) and func.get("status") != "passed":

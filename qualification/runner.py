@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 from qualification import RECORD_SCHEMA
 from qualification.errors import ManagerVerbError, QualificationError
 from qualification.manager import Arm, ManagerSession, require_tool
+from qualification.paths import path_kind
 from qualification.procedure import snapshot_command
 from qualification.profile import CellSpec, Profile
 from qualification.report import (
@@ -424,9 +425,10 @@ def render_with_manager(profile: Profile, plan: dict[str, object], state_root: P
 
 def ensure_out_dir(out: Path | None, profile: Profile) -> Path:
     if out is not None:
-        if out.exists() and not out.is_dir():
+        expected = "a directory or a new path"
+        if path_kind(out, f"--out {out}", expected) not in ("missing", "directory"):
             raise QualificationError(
-                f"--out {out}: exists and is not a directory; expected a directory or a new path"
+                f"--out {out}: exists and is not a directory; expected {expected}"
             )
         return out
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")

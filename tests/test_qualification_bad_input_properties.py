@@ -66,6 +66,7 @@ from packaging.version import InvalidVersion, Version
 
 import qualification.manager
 import qualification.replay
+import qualification.rollback
 import qualification.runner
 from qualification import RECORD_SCHEMA
 from qualification.cli import main
@@ -1592,3 +1593,88 @@ def test_summing_extreme_policy_counters_is_no_crash(
     before = parse_prometheus(f'{name}{{event="calls"}} 1\n')
     samples = parse_prometheus(name + after.replace("X", name) + "\n")
     assert counters_from_metrics(before, samples) == (expected, None)
+
+
+# A file name longer than any file system allows (NAME_MAX is 255 bytes on Linux).
+TOO_LONG = "a" * 300
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["release-check", "--records", "{long}"], "--records {long}"),
+        (["release-check", "--records", "{loop}"], "--records {loop}"),
+        (["run", TOO_LONG, "--dry-run"], f"profile {TOO_LONG!r}"),
+        (["run", "{long}.toml", "--dry-run"], "profile '{long}.toml'"),
+        (["run", "{loop}", "--dry-run"], "profile '{loop}'"),
+        (["run", "cpu-replay", "--out", "{long}", "--quiet"], "--out {long}"),
+        (["run", "cpu-replay", "--out", "{loop}", "--quiet"], "--out {loop}"),
+    ],
+)
+def test_a_path_that_cannot_be_examined_is_refused_on_one_line(
+    tmp_path: Path, argv: list[str], named: str, fake_arms: FakeArms
+) -> None:
+    """A records, profile or ``--out`` path with a name too long for the file system used
+    to escape as an OSError traceback (ENAMETOOLONG from ``Path.exists``); a symbolic-link
+    loop was called missing, or (``--out``) failed only at creation. Both are refused on
+    one line naming the option and the reason, before anything is created."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    paths = {"long": str(tmp_path / TOO_LONG), "loop": str(loop)}
+    fake_arms.out = tmp_path / "unused"
+    message = check_refused(cli([a.format(**paths) for a in argv]), [named.format(**paths)])
+    assert "cannot be examined" in message and "expected " in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"] and fake_arms.ran == 0
+
+
+def test_a_tool_name_too_long_is_not_found(tmp_path: Path) -> None:
+    """A profile's manager command too long to be a file name used to raise OSError from
+    the look-up beside the interpreter (``Path.is_file``); it is not found, like any
+    command missing from PATH, before the manager is started."""
+    variant = _variant(
+        tmp_path, "cpu-replay", "[manager]\n", f'[manager]\ncommand = ["{TOO_LONG}"]\n'
+    )
+    outcome = cli(["run", str(variant), "--dry-run"])
+    check_refused(outcome, [f"command {TOO_LONG!r} not found on PATH"])
+
+
+def _without_blocking(argv: list[str], fifo: Path) -> Outcome:
+    """``cli(argv)`` in a thread; a read of ``fifo`` that blocks fails the test."""
+    result: list[Outcome] = []
+    worker = threading.Thread(target=lambda: result.append(cli(argv)), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the reader so the thread ends, then fail
+        with open(fifo, "wb"):
+            pass
+        worker.join(10)
+        pytest.fail(f"{argv} blocked reading a FIFO")
+    return result[0]
+
+
+def test_a_fifo_as_the_engine_log_is_refused_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rollback --verify-log FIFO`` used to block forever on the read: anything but a
+    regular file is refused on one line, before any manager verb runs."""
+    monkeypatch.setattr(qualification.rollback, "manager_step", _no_manager_step)
+    fifo = tmp_path / "engine.log"
+    os.mkfifo(fifo)
+    outcome = _without_blocking(["rollback", "--disable", "--verify-log", str(fifo)], fifo)
+    message = check_refused(outcome, [f"--verify-log {fifo}"])
+    assert "not a regular file" in message, message
+
+
+def _no_manager_step(*_args: object) -> tuple[bool, str]:
+    raise AssertionError("a manager verb ran before the bad input was refused")
+
+
+def test_a_fifo_given_as_the_record_is_named_not_read(tmp_path: Path) -> None:
+    """A FIFO given as ``--records`` itself was skipped unnamed (neither a file nor a
+    directory): it is listed as not a regular file, without waiting on it."""
+    root = _tree(tmp_path)
+    fifo = tmp_path / "record.json"
+    os.mkfifo(fifo)
+    argv = ["release-check", "--root", str(root), "--records", str(fifo)]
+    (problem,) = check_release_output(_without_blocking(argv, fifo))
+    assert "record.json (not a regular file)" in problem, problem

@@ -429,3 +429,60 @@ def test_hostile_record_is_named_not_a_traceback(
     # A readable passing record beside it still qualifies the release.
     _record(records / "run1")
     assert main(["release-check", "--root", str(root), "--records", str(records)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("location", "problem"),
+    [
+        ("{elsewhere}", "manifest location '{elsewhere}' is not a dotted package path"),
+        ("manifests/../../x", "manifest location 'manifests/../../x' is not a dotted"),
+        ("manifests." + "b" * 300, "cannot be examined (File name too long)"),
+    ],
+)
+def test_a_manifest_location_outside_the_tree_is_a_listed_problem(
+    tmp_path: Path, location: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bundle entry point naming a path outside the root (whose manifest, at the wrong
+    extension_version, is not what is released) used to end in a ValueError traceback from
+    ``relative_to``; a dotted part too long for a file name, in an OSError one. Each is one
+    listed problem naming the bundle (exit 1)."""
+    root = _tree(tmp_path)
+    _record(tmp_path / "records")
+    elsewhere = tmp_path / "elsewhere" / "fakem"
+    elsewhere.mkdir(parents=True)
+    manifest = root / "manifests/bidkv/vllm-hust-extension-v0.2.json"
+    doc = json.loads(manifest.read_text())
+    doc["extension_version"] = "9.9.9"
+    (elsewhere / manifest.name).write_text(json.dumps(doc))
+    location = location.format(elsewhere=elsewhere)
+    (root / "pyproject.toml").write_text(PYPROJECT.replace('"manifests.bidkv"', f'"{location}"'))
+    argv = ["release-check", "--root", str(root), "--records", str(tmp_path / "records")]
+    assert main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [line for line in lines if "org.vllm-hust.bidkv:" in line]
+    assert line.startswith("  - bundle org.vllm-hust.bidkv: ")
+    assert problem.format(elsewhere=elsewhere) in line, lines
+
+
+@pytest.mark.parametrize(
+    ("change", "tp", "commit"),
+    [
+        ({}, True, None),  # JSON true is not a tensor parallel size of 1
+        ({"tensor_parallel_size": 4}, 4.0, None),
+        ({"tested_runtime_commit": "abc123"}, 1, False),  # false is not "no commit"
+        ({"tested_runtime_commit": "abc123"}, 1, ""),
+        ({"tested_runtime_commit": "abc123"}, 1, ["abc123"]),
+    ],
+)
+def test_a_record_value_of_another_type_does_not_match_the_manifest_profile(
+    tmp_path: Path, change: dict[str, object], tp: object, commit: object
+) -> None:
+    """Rule 5 compared with Python's ``==``, so a record's ``true`` or ``4.0`` matched the
+    manifest's tensor parallel size 1 or 4, and a commit of ``false`` or ``""`` counted as
+    naming no commit: a record matches only with values of the profile's own types."""
+    root = _tree(tmp_path, profile=_profile(**change))
+    _record(tmp_path / "records", tp=tp, commit=commit)  # type: ignore[arg-type]
+    result = check_release(root, [tmp_path / "records"])
+    assert not result.passed
+    (problem,) = result.problems
+    assert problem.startswith("no passing record matches the manifest's"), problem
