@@ -119,6 +119,28 @@ def test_cascade_guard_takes_the_requester_only_when_a_cascade_would_follow() ->
     assert pick(1.25) == "req"
 
 
+def test_cascade_guard_never_takes_a_requester_that_may_not_be_the_victim() -> None:
+    """The cascade guard weighs the requester only when it is itself eligible. A prefilling
+    requester of a more urgent priority class, or one that has spent its liveness budget,
+    would otherwise win through the guard (nobody left frees its 128-block shortfall
+    alone, and its own U is within the ratio): the victim would leave the least urgent
+    class, and one request could be preempted again and again with no barrier."""
+    # Priority: "req" is class 0; the least urgent class (5) holds only small victims.
+    cands = [cand("req", computed=1600, prompt=5000, priority=0, arrival=0.0),
+             cand("x", computed=100, prompt=100, output=10, priority=5, arrival=1.0),
+             cand("y", computed=40, prompt=40, output=10, priority=5, arrival=2.0)]
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True))
+    assert policy.select_victim(ctx(cands, requester="req", policy="priority",
+                                    builtin="y")) in {"x", "y"}
+    # Liveness: "req" (FCFS) has spent its budget of 2; never chosen again this epoch.
+    guarded = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=2))
+    for _ in range(3):
+        cands = [cand("req", computed=1600, prompt=5000, preemptions=2),
+                 cand("x", computed=100, prompt=100, output=10),
+                 cand("y", computed=40, prompt=40, output=10)]
+        assert guarded.select_victim(ctx(cands, requester="req", builtin="y")) in {"x", "y"}
+
+
 def test_a_victim_that_frees_the_shortfall_alone_is_preferred() -> None:
     # Same requester (needs 128 blocks); "big" frees 150 blocks alone, "mid" only 113.
     cands = [cand("mid", computed=1800, output=5, prompt=1795),

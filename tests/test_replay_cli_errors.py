@@ -520,7 +520,10 @@ def test_ctrl_c_during_an_arm_exits_130_in_one_line(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-c", "import sys; from bidkv_ext.replay.cli import main; "
          "sys.exit(main())", "--no-plots", "--no-progress", "--output-dir", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # A test run started in the background (nohup ... &) inherits SIGINT ignored, and
+        # Python keeps an ignored SIGINT ignored: give the child the terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # The output directory is created after every check, right before the first arm.
         deadline = time.monotonic() + 120

@@ -180,10 +180,15 @@ class UtilityStrategy:
         # Page awareness needs the host's per-candidate page counts and a live shrink;
         # without either the score is exactly the plain one.
         self._shrinking = facts is not None and _capacity_shrinking(facts)
-        window: Sequence[PreemptionCandidate]
+        window: Sequence[PreemptionCandidate] | None = None
         if facts is None and len(candidates) >= _PRUNE_FROM and self._lost_slope > 0.0:
-            window, builtin = self._bounded(candidates, need, known, builtin, requester)
-        else:
+            try:
+                window, builtin = self._bounded(candidates, need, known, builtin, requester)
+            except OverflowError:
+                # A count beyond int64 (no real host has one): score in Python below, which
+                # takes any int, rather than fail and lose the policy for good.
+                window = None
+        if window is None:
             window = self._sufficient(candidates, need, facts)
             if window is not candidates:
                 # Outside the ranked set a candidate may not win, not even a tie.
@@ -248,9 +253,12 @@ class UtilityStrategy:
         cap = candidate.max_tokens if candidate.max_tokens > 0 else p.default_max_tokens
         left = max(cap - candidate.num_output_tokens, 0)
         horizon = p.completion_horizon
+        preempted = candidate.num_preemptions
+        if preempted < 0:
+            preempted = 0  # outside the contract; 0 keeps the factor >= 1, as the bound assumes
         delta = (
             (p.base_cost + p.recompute_weight * lost)
-            * (1.0 + p.preempt_weight * candidate.num_preemptions)
+            * (1.0 + p.preempt_weight * preempted)
             * (1.0 + p.completion_weight * horizon / (horizon + left))
             * (1.0 + (p.first_token_weight if candidate.num_output_tokens == 0 else 0.0))
         )
