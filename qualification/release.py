@@ -13,8 +13,8 @@ Checks, all reported together:
    not releases).
 5. If the manifest carries ``activation.additional_config._manager_runtime_qualification``,
    a passing record in range also matches that profile (accelerator, model, tensor
-   parallel size, execution mode; ``tested_runtime_commit`` when the record has a commit),
-   each value of the profile's own JSON type.
+   parallel size, execution mode; ``tested_runtime_commit`` when the record's commit is not
+   null), each value of the profile's own JSON type.
 
 The profile is *optional* in the manifest. With it present, ``vllm-hust-ext run`` refuses
 the bundle until the operator declares a matching passed ``runtime_qualification``

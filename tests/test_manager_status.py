@@ -25,12 +25,10 @@ composition. Controller counters (an evidence line's ``stats``) never appear in 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import http.server
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -45,7 +43,7 @@ import pytest
 from hust_ext_manager import runtime_evidence
 
 from bidkv_ext.evidence import evidence_line, evidence_sink_from_env
-from tests.manager_helpers import fake_site, invoke
+from tests.manager_helpers import fake_site, invoke, within
 from tests.manager_helpers import install_bundles as install
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,25 +327,6 @@ def test_manager_sink_binds_lines_and_refuses_what_it_cannot_bind(
     assert len(path.read_text().splitlines()) == 2  # nothing refused was written
 
 
-class _Blocked(BaseException):
-    """Not an OSError (nor an Exception): no handler of the code under test swallows it."""
-
-
-@contextlib.contextmanager
-def _within(seconds: float) -> Iterator[None]:
-    """Fail instead of hanging: SIGALRM interrupts a blocking open() in this thread."""
-    def expired(signum: int, frame: object) -> None:
-        raise _Blocked(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_an_evidence_path_at_a_fifo_blocks_neither_status_nor_a_writer(
     site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -365,19 +344,19 @@ def test_an_evidence_path_at_a_fifo_blocks_neither_status_nor_a_writer(
                "VLLM_ECPA_LAUNCH_ID": "l"}
     for key, value in binding.items():
         monkeypatch.setenv(key, value)
-    with _within(5):
+    with within(5):
         assert "runtime_effective" not in status("org.test.p", capsys)["states"]
-    with _within(5), pytest.raises(OSError) as raised:
+    with within(5), pytest.raises(OSError) as raised:
         runtime_evidence.record_event("effective", {}, extension_id="org.test.p")
     assert raised.value.errno == errno.ENXIO
     strict = evidence_sink_from_env({**binding, "VLLM_ECPA_EVIDENCE_STRICT": "1"})
     assert strict is not None
-    with _within(5), pytest.raises(OSError) as raised:
+    with within(5), pytest.raises(OSError) as raised:
         strict("effective", {})
     assert raised.value.errno == errno.ENXIO
     quiet = evidence_sink_from_env(binding)
     assert quiet is not None
-    with _within(5):
+    with within(5):
         quiet("effective", {})
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
@@ -976,19 +955,22 @@ def test_an_editable_host_is_detected_from_its_source_tree(
             "bidkv_ext.selector.BidkvPreemptionPolicy")
 
 
-def test_an_editable_host_with_an_invalid_direct_url_is_one_line_naming_the_host(
+def test_an_editable_host_with_an_invalid_direct_url_can_still_be_declared(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An editable host whose direct_url.json is not JSON leaves the protocol undetectable:
-    ``status`` says so naming the host, not with an internal error."""
+    """An editable host whose direct_url.json is not JSON names no source tree: the
+    contract is not detected (the version is unavailable), and a declared
+    ``protocol_versions`` still makes the bundle compatible, as on any host without it."""
     document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
     install(site, {"org.test.p": document})
     _fake_editable_host(site, tmp_path, direct_url="{not json")
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": {}}})
     shown = status("org.test.p", capsys)
-    assert "incompatible" in shown["states"]
-    assert shown["evidence"][0].startswith(
-        "host distribution 'fakehost' editable direct_url.json is invalid")
+    assert shown["evidence"][2] == "protocol vllm.preemption-policy version is unavailable"
+    assert "degraded" in shown["states"]
+    declared = {"protocol_versions": {"vllm.preemption-policy": "1.0"}}
+    set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": declared}})
+    assert "compatible" in status("org.test.p", capsys)["states"]
 
 
 def test_a_null_protocol_range_accepts_any_version(

@@ -128,13 +128,12 @@ def test_capacity_schedule_csv_field_over_limit_and_deep_json(
     assert f"{deep}: JSON nested too deeply" in message
 
 
-def test_a_final_capacity_below_a_request_is_refused_before_any_arm(
+def test_a_final_capacity_below_a_late_request_is_refused_before_any_arm(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """A capacity schedule whose last capacity cannot hold one request of the window alone
-    used to stop the run inside the arm where that request was still unfinished at the
-    last change (and only there: one policy finished, the next stalled), losing the arms
-    before it. It is refused up front; one block more and the same arms run to the end."""
+    """A request that arrives after a capacity schedule's last change and needs more blocks
+    than that last capacity stalls every arm: the schedule is refused up front (it used to
+    stop the run inside an arm, losing those before it). One block more and it runs."""
     rows = ({"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]},
             {"timestamp": 3000, "input_length": 150, "output_length": 100, "hash_ids": [1]})
     trace = _write(tmp_path, "pair.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
@@ -145,9 +144,9 @@ def test_a_final_capacity_below_a_request_is_refused_before_any_arm(
                        "--capacity-schedule", str(low))
     assert message == (
         f"bidkv-replay: error: --capacity-schedule {low}: its final capacity of 15 blocks "
-        "cannot hold request 1 (150 prompt + 100 output tokens, 16 blocks of 16 tokens) "
-        "alone, so an arm stalls if that request is unfinished at the last change; expected "
-        "a final capacity of at least 16 blocks, or a window without it")
+        "cannot hold request 1 (150 prompt + 100 output tokens, 16 blocks of 16 tokens), "
+        "which arrives after the last change, so every arm would stall; expected a final "
+        "capacity of at least 16 blocks, or a window without it")
     assert not (tmp_path / "out").exists()
     enough = _write(tmp_path, "enough.json", '[{"t": 1.0, "blocks": 16}]')
     out = tmp_path / "ran"
@@ -157,6 +156,33 @@ def test_a_final_capacity_below_a_request_is_refused_before_any_arm(
     assert code == 0, capsys.readouterr().err
     arms = json.loads((out / "report.json").read_text())["arms"]
     assert [arm["completed"] for arm in arms] == [2, 2]
+
+
+def test_an_arm_that_stalls_keeps_the_arms_before_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Whether a request larger than the last capacity is still unfinished at the last
+    change depends on the policy: here least-computed-first finishes it in time and
+    largest-first (which preempts it) does not. The run stops at the stalled arm with exit
+    2 and one line naming it, and the outputs hold the arm before it (they used to hold
+    nothing, losing the finished arm)."""
+    rows = ({"timestamp": 0, "input_length": 150, "output_length": 100, "hash_ids": [0]},
+            {"timestamp": 100, "input_length": 60, "output_length": 60, "hash_ids": [1]},
+            {"timestamp": 200, "input_length": 60, "output_length": 60, "hash_ids": [2]})
+    trace = _write(tmp_path, "three.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    schedule = _write(tmp_path, "shrink.json", '[{"t": 0.7, "blocks": 15}]')
+    out = tmp_path / "out"
+    code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
+                 "--no-progress", "--policies", "least-computed-first,largest-first",
+                 "--capacity-schedule", str(schedule), "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "bidkv-replay: error: arm 'largest-first' stopped: the scheduler cannot make "
+        "progress: request 0 (150 prompt + 100 output tokens) needs more KV blocks than the "
+        "capacity schedule's final 15 blocks provide; the outputs hold the 1 arm(s) before it")
+    arms = json.loads((out / "report.json").read_text())["arms"]
+    assert [(arm["label"], arm["completed"]) for arm in arms] == [("least-computed-first", 3)]
 
 
 @pytest.mark.parametrize("policies", ["bidkv", "builtin,bidkv{liveness_preemptions=0}"])

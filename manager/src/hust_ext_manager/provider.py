@@ -110,11 +110,11 @@ def host_has_preemption_contract(host_name: str = "vllm") -> bool:
         return True
     try:
         roots = source_roots(dist)
-    except DiscoveryError as error:
-        raise ValueError(
-            f"host distribution {host_name!r} {error}, so whether its source tree holds "
-            f"{CONTRACT_FILE} is unknown: reinstall {host_name}"
-        ) from error
+    except DiscoveryError:
+        # An invalid direct_url.json names no source tree: the contract is not detected,
+        # and an operator's declared protocol_versions still decides (manager-protocol.md
+        # §8), as on any host without it.
+        return False
     return any((root / CONTRACT_FILE).is_file() for root in roots)
 
 

@@ -22,7 +22,9 @@ every arm's vLLM configuration and policy as the engine will (so what only vLLM 
 policy knows, such as a ``--max-model-len`` vLLM cannot serve or a ``from_vllm_config`` that
 raises, fails there, naming the arm; each arm then runs with the policy built there, so a
 policy is built once), and last the ``--output-dir`` (created then). So a bad input never
-costs a finished arm. Report files and plots are written atomically
+costs a finished arm. A capacity schedule that stalls only some arms (it shrinks below a
+request they still run) stops the run at the first such arm, exit 2, with the outputs
+holding the arms before it. Report files and plots are written atomically
 (temporary file in the directory + ``os.replace``); a figure JSON cannot hold (infinity)
 fails only the file that holds it, with one line naming the figure.
 """
@@ -36,6 +38,7 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -266,24 +269,22 @@ def _fits(request: TraceRequest, usable_blocks: int, block_size: int) -> bool:
 def _check_final_capacity(
     capacity: CapacitySchedule, requests: Sequence[TraceRequest], block_size: int, path: Path
 ) -> None:
-    """Refuse a schedule whose last capacity cannot hold a request of the window alone.
-
-    After the last change nothing frees room for such a request, so an arm stalls if it is
-    still unfinished then, and whether it is depends on the arm's policy: the run would stop
-    in the middle of some arm, costing the arms before it. With every request fitting, the
-    pool can always run the oldest one alone, so no arm stalls.
-    """
+    """Refuse a schedule under which every arm stalls: a request arriving at or after the
+    last change that the last capacity cannot hold alone never runs, whatever the policy.
+    (One arriving earlier stalls only if some arm still has it unfinished then; such a
+    stall stops the run at that arm, with the arms before it reported.)"""
     final = capacity.points[-1].blocks
-    largest = max(requests, key=lambda r: _blocks(r, block_size))
-    need = _blocks(largest, block_size)
-    if need > final:
-        raise _UsageError(
-            f"--capacity-schedule {path}: its final capacity of {final} blocks cannot hold "
-            f"request {largest.index} ({largest.input_length} prompt + "
-            f"{largest.output_length} output tokens, {need} blocks of {block_size} tokens) "
-            f"alone, so an arm stalls if that request is unfinished at the last change; "
-            f"expected a final capacity of at least {need} blocks, or a window without it"
-        )
+    last_change = requests[0].arrival + capacity.points[-1].t  # schedule time is relative
+    for request in requests:
+        need = _blocks(request, block_size)
+        if request.arrival >= last_change and need > final:
+            raise _UsageError(
+                f"--capacity-schedule {path}: its final capacity of {final} blocks cannot "
+                f"hold request {request.index} ({request.input_length} prompt + "
+                f"{request.output_length} output tokens, {need} blocks of {block_size} "
+                "tokens), which arrives after the last change, so every arm would stall; "
+                f"expected a final capacity of at least {need} blocks, or a window without it"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -349,14 +350,20 @@ def _run(args: argparse.Namespace) -> int:
     # Last check before the first engine: creates the directory, so only when all else passed.
     prepare_output_dir(args.output_dir, _output_names(args))
     trace_info = _trace_info(args, trace_path, raw, selection, requests)
-    try:
-        results, ttfts, speeds, walls = _replay_all(requests, arms, policies, settings,
-                                                    step_model, args)
-    except ReplayError as exc:
-        print(f"bidkv-replay: error: {exc}", file=sys.stderr)
+    done = _replay_all(requests, arms, policies, settings, step_model, args)
+    if done.stopped is not None and not done.results:
+        print(f"bidkv-replay: error: {done.stopped}", file=sys.stderr)
         return 2
-    document = _report_document(args, trace_info, settings, step_model, results)
-    return _write_outputs(args, document, ttfts, speeds, walls)
+    document = _report_document(args, trace_info, settings, step_model, done.results)
+    written = _write_outputs(args, document, done.ttfts, done.speeds, done.walls)
+    if done.stopped is not None:
+        # A stall that depends on the policy (a capacity schedule shrinking below a request
+        # some arms still run): the arms before it keep their results.
+        label = arms[len(done.results)].label
+        print(f"bidkv-replay: error: arm {label!r} stopped: {done.stopped}; the outputs hold "
+              f"the {len(done.results)} arm(s) before it", file=sys.stderr)
+        return 2
+    return written
 
 
 def _rereadable(path: Path, option: str) -> None:
@@ -485,6 +492,17 @@ def _check_arrivals(requests: Sequence[TraceRequest], rate_scale: float, trace: 
         f"a rate scale that keeps arrivals below {MAX_SIMULATED_SECONDS:g} s")
 
 
+@dataclass(slots=True)
+class _Replayed:
+    """The arms replayed, in order, and why the run stopped early (None: every arm ran)."""
+
+    results: list[dict[str, object]] = field(default_factory=list)
+    ttfts: list[tuple[str, list[float]]] = field(default_factory=list)
+    speeds: dict[str, float] = field(default_factory=dict)
+    walls: dict[str, float] = field(default_factory=dict)
+    stopped: str | None = None
+
+
 def _replay_all(
     requests: tuple[TraceRequest, ...],
     arms: tuple[Arm, ...],
@@ -492,32 +510,33 @@ def _replay_all(
     settings: ReplaySettings,
     step_model: StepTimeModel,
     args: argparse.Namespace,
-) -> tuple[list[dict[str, object]], list[tuple[str, list[float]]], dict[str, float],
-           dict[str, float]]:
+) -> _Replayed:
     from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
-    from bidkv_ext.replay.engine import run_arm
+    from bidkv_ext.replay.engine import ReplayError, run_arm
     from bidkv_ext.replay.metrics import arm_metrics
 
-    results: list[dict[str, object]] = []
-    ttfts: list[tuple[str, list[float]]] = []
-    speeds: dict[str, float] = {}
-    walls: dict[str, float] = {}
+    done = _Replayed()
     total = len(requests) * len(arms)
     with tqdm(total=total, unit="req", file=sys.stderr, delay=2.0,
               disable=args.no_progress, desc="replay") as bar:
         # Each arm runs with the policy the preflight built for it (built once, used once).
         for arm, policy in zip(arms, policies, strict=True):
             bar.set_postfix_str(arm.label)
-            run = run_arm(requests, arm, settings, step_model, progress=bar, policy=policy)
+            try:
+                run = run_arm(requests, arm, settings, step_model, progress=bar, policy=policy)
+            except ReplayError as exc:
+                done.stopped = str(exc)
+                break
             metrics = arm_metrics(run)
-            results.append(metrics)
-            ttfts.append((arm.label, [o.first_token - o.arrival for o in run.outcomes
-                                      if not math.isnan(o.first_token)]))
+            done.results.append(metrics)
+            done.ttfts.append((arm.label, [o.first_token - o.arrival for o in run.outcomes
+                                           if not math.isnan(o.first_token)]))
             makespan = float(metrics["makespan_s"])  # type: ignore[arg-type]
-            walls[arm.label] = run.wall_seconds
-            speeds[arm.label] = makespan / run.wall_seconds if run.wall_seconds > 0 else 0.0
-    return results, ttfts, speeds, walls
+            done.walls[arm.label] = run.wall_seconds
+            done.speeds[arm.label] = (makespan / run.wall_seconds if run.wall_seconds > 0
+                                      else 0.0)
+    return done
 
 
 def _write_outputs(

@@ -186,7 +186,7 @@ class UtilityStrategy:
                 window, builtin = self._bounded(candidates, need, known, builtin, requester)
             except OverflowError:
                 # A count beyond int64 (no real host has one): score in Python below, which
-                # takes any int, rather than fail and lose the policy for good.
+                # takes counts up to the float range, rather than fail and lose the policy.
                 window = None
         if window is None:
             window = self._sufficient(candidates, need, facts)
