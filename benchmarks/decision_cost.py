@@ -290,14 +290,22 @@ def _positive(text: str) -> int:
     return value
 
 
+# More running requests than any engine schedules (vLLM's max_num_seqs is in the
+# hundreds); beyond it building the contexts alone would exhaust memory.
+MAX_SIZE = 65_536
+
+
 def _sizes(text: str) -> list[int]:
-    """Comma-separated candidate counts, each >= 1, such as 8,64,256."""
+    """Comma-separated candidate counts, each from 1 to MAX_SIZE, such as 8,64,256."""
     try:
-        return [_positive(part.strip()) for part in text.split(",")]
+        sizes = [_positive(part.strip()) for part in text.split(",")]
     except argparse.ArgumentTypeError:
+        sizes = []
+    if not sizes or max(sizes) > MAX_SIZE:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated whole numbers >= 1 such as 8,64,256, got {text!r}"
-        ) from None
+            f"expected comma-separated whole numbers from 1 to {MAX_SIZE:,} such as "
+            f"8,64,256, got {text!r}")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,6 +61,18 @@ def test_default_sizes_cover_the_anchor_and_the_spec_curve() -> None:
     assert max(sizes) >= 2048 and 64 in sizes
 
 
+@pytest.mark.parametrize("sizes", ["9999999999999", "8,,64", "0"])
+def test_sizes_beyond_any_engine_or_malformed_are_refused(
+    sizes: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A size far beyond any engine's running list used to start building a context that
+    never finished; it is an argparse error, as a malformed list is."""
+    with pytest.raises(SystemExit) as exited:
+        decision_cost.build_parser().parse_args(["--sizes", sizes])
+    assert exited.value.code == 2
+    assert "expected comma-separated whole numbers from 1 to 65,536" in capsys.readouterr().err
+
+
 def test_report_has_both_anchors_every_strategy_and_the_budget(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

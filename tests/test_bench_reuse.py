@@ -12,6 +12,7 @@ and every goal's threshold and its boundary (a figure exactly at its goal meets 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -32,8 +33,11 @@ ARGV = ["--trace", "t.csv", "--duration", "300", "--num-gpu-blocks", "600", "--s
 
 
 def _config(**overrides: object) -> dict[str, object]:
+    # With the engine's facts, as the replay records them: block size, prefix caching and
+    # the prefill chunk (the replay's default token budget, 8192).
     return BidKVConfig.from_sources({"bidkv": {"seed": 0, **overrides}}, {},
-                                    block_size=16, prefix_caching=True).model_dump()
+                                    block_size=16, prefix_caching=True,
+                                    prefill_chunk_tokens=8192).model_dump()
 
 
 def _arms(bidkv_liveness: int | None) -> list[dict[str, object]]:
@@ -55,14 +59,60 @@ def _no_bidkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-def _saved(tmp_path: Path, arms: list[dict[str, object]]) -> Path:
+TRACE_TEXT = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+
+
+def _argv(tmp_path: Path) -> list[str]:
+    trace = tmp_path / "t.csv"
+    if not trace.exists():
+        trace.write_text(TRACE_TEXT)
+    return [str(trace) if a == "t.csv" else a for a in ARGV]
+
+
+def _saved(tmp_path: Path, arms: list[dict[str, object]], *,
+           made_with: list[str] | None = None) -> Path:
+    """A report as replay_arms leaves it: report.json (the arms, the trace's sha256) and
+    the argv it was made with beside it."""
+    argv = _argv(tmp_path)
     path = tmp_path / "report.json"
-    path.write_text(json.dumps({"arms": arms}))
+    sha = hashlib.sha256((tmp_path / "t.csv").read_bytes()).hexdigest()
+    path.write_text(json.dumps({"trace": {"sha256": sha}, "arms": arms}))
+    (tmp_path / run.ARGV_FILE).write_text(json.dumps(argv if made_with is None else made_with))
     return path
 
 
 def test_a_current_report_is_reused(tmp_path: Path) -> None:
-    assert run.stale_reason(_saved(tmp_path, _arms(8)), ARGV) is None
+    assert run.stale_reason(_saved(tmp_path, _arms(8)), _argv(tmp_path)) is None
+
+
+def test_a_report_made_with_other_options_or_another_trace_is_replayed(tmp_path: Path) -> None:
+    """Every knob of the cell is in its argv: a report made with other blocks (or without
+    the argv recorded, as before 2026-12-03) is replayed; so is one made from a trace whose
+    content has changed since."""
+    argv = _argv(tmp_path)
+    other = [("700" if a == "600" else a) for a in argv]
+    assert run.stale_reason(_saved(tmp_path, _arms(8), made_with=other), argv) == (
+        "made with other (or unrecorded) options")
+    report = _saved(tmp_path, _arms(8))
+    (tmp_path / run.ARGV_FILE).unlink()
+    assert run.stale_reason(report, argv) == "made with other (or unrecorded) options"
+    report = _saved(tmp_path, _arms(8))
+    (tmp_path / "t.csv").write_text(TRACE_TEXT + "2023-11-16 18:15:47.00,10,5\n")
+    run._sha256.cache_clear()
+    assert run.stale_reason(report, argv) == "made from another version of the trace"
+
+
+def test_a_report_the_replay_just_made_is_reused(tmp_path: Path) -> None:
+    """End to end: what replay_arms writes (a real bidkv-replay run) is what a later
+    ``--reuse`` accepts. The check rebuilt each BidKV arm's settings without the engine's
+    token budget, so it judged every current report stale and silently replayed it."""
+    argv = ["--trace", str(REPO / "src" / "bidkv_ext" / "replay" / "data" /
+                           "azure_conv_sample.csv"),
+            "--max-requests", "20", "--num-gpu-blocks", "400",
+            "--policies", "builtin,bidkv"]
+    out = tmp_path / "slice"
+    run.replay_arms(argv, out, "the sample")
+    assert run.stale_reason(out / "report.json", argv) is None
 
 
 @pytest.mark.parametrize(
@@ -76,7 +126,7 @@ def test_a_current_report_is_reused(tmp_path: Path) -> None:
 )
 def test_a_stale_report_is_replayed(tmp_path: Path, arms: list[dict[str, object]],
                                     why: str) -> None:
-    reason = run.stale_reason(_saved(tmp_path, arms), ARGV)
+    reason = run.stale_reason(_saved(tmp_path, arms), _argv(tmp_path))
     assert reason is not None and why in reason
 
 
@@ -153,15 +203,16 @@ def test_slice_rows_show_medians_and_paired_ratio_columns() -> None:
 
 def test_slice_goals_at_their_boundaries_are_met() -> None:
     # Every slice: bidkv's tax and P95 equal the best peer's (LCF's tax, builtin's P95):
-    # ratios 1.0; the reference recomputes as much as the best peer (no gap) and bidkv is at
-    # it: 1.0 closed; throughput 990 / 1000 = 0.99. Capture vs builtin: (0.5 - 0.25) /
-    # (0.5 - 0.25) = 1.
+    # ratios 1.0; the reference recomputes as much as the best peer: no slice has a gap to
+    # close (n/a, not a yes or a no); throughput 990 / 1000 = 0.99. Capture vs builtin:
+    # (0.5 - 0.25) / (0.5 - 0.25) = 1.
     one = _slice(_arm("builtin", 0.5, p95=8.0), _arm("least-computed-first", 0.25, p95=16.0),
                  _arm("bidkv", 0.25, p95=8.0, tps=990.0), _arm(run.ORACLE, 0.25))
     assert run._slice_goals(PC, [one] * 3) == (
         "- `c-pc`: tax / best peer 1.000 (goal <= 1.0): yes; "
         "P95 TTFT / best peer 1.000 (goal <= 1.0): yes; "
-        "gap to clairvoyant closed 1.00 (goal >= 0.5): yes; "
+        "gap to clairvoyant closed n/a (the reference recomputes no less than the best "
+        "peer in any slice); "
         "throughput / builtin 0.990 (goal >= 0.99): yes; "
         "oracle-gap capture vs builtin (evaluation.md) 1.00 over 3 of 3 slices")
 
@@ -182,17 +233,28 @@ def test_slice_goals_with_prefix_caching_pair_each_slice_with_its_best_peer() ->
     #   = 0.75, 0.75, 0.25, 0.75 -> median 0.75 (mean 0.625)
     # P95 / min: 8/8, 6/8, 5/10, 8/8 = 1, 0.75, 0.5, 1 -> median 0.875 (p99 is 100 everywhere)
     # gap closed = (best - bidkv) / (best - clairvoyant): (0.5-0.375)/(0.5-0.25) = 0.5,
-    #   (0.5-0.375)/(0.5-0.25) = 0.5, slice 2 has no gap (0.375 > 0.25) and bidkv is at or
-    #   below the best peer: 1.0; 0.5 -> median 0.5, exactly the goal (mean 0.625)
+    #   (0.5-0.375)/(0.5-0.25) = 0.5, slice 2 has no gap (0.375 > 0.25): left out; 0.5 ->
+    #   median of 3 = 0.5, exactly the goal
     # throughput / builtin: 1, 0.98, 0.99, 1 -> 0.995 (against LCF it would be ~1.99)
     # capture vs builtin = (builtin - bidkv) / (builtin - clairvoyant): 0.125/0.25 = 0.5,
     #   0.625/0.75 = 0.833, none on slice 2 (no gap), 0.5 -> median of 3 = 0.5 (mean 0.61)
     assert run._slice_goals(PC, runs) == (
         "- `c-pc`: tax / best peer 0.750 (goal <= 1.0): yes; "
         "P95 TTFT / best peer 0.875 (goal <= 1.0): yes; "
-        "gap to clairvoyant closed 0.50 (goal >= 0.5): yes; "
+        "gap to clairvoyant closed 0.50 over 3 of 4 slices (goal >= 0.5): yes; "
         "throughput / builtin 0.995 (goal >= 0.99): yes; "
         "oracle-gap capture vs builtin (evaluation.md) 0.50 over 3 of 4 slices")
+
+
+def test_slices_without_a_gap_do_not_count_towards_closing_it() -> None:
+    """Six slices where the reference is no better than the best peer (bidkv ties it) and
+    four where it is better and bidkv closes none of the gap: 0.00 over 4 of 10, NO. The
+    old median counted each gapless slice as 1.0 and printed "1.00: yes"."""
+    b, lcf, o = "builtin", "least-computed-first", run.ORACLE
+    tie = _slice(_arm(b, 0.5), _arm(lcf, 0.5), _arm("bidkv", 0.5), _arm(o, 0.5))
+    gap = _slice(_arm(b, 0.5), _arm(lcf, 0.5), _arm("bidkv", 0.5), _arm(o, 0.25))
+    assert run._gap_goal([tie] * 6 + [gap] * 4) == (
+        "gap to clairvoyant closed 0.00 over 4 of 10 slices (goal >= 0.5): NO")
 
 
 def test_slice_goals_without_prefix_caching() -> None:
@@ -284,17 +346,24 @@ def test_a_rollout_horizon_or_width_of_its_own_names_its_own_reports() -> None:
     assert variant(suite="pc", horizon=5.0) == ""  # only the rollout suites read them
 
 
-@pytest.mark.parametrize(("cells", "says"), [
-    ("code-heavy,typo", "--cells: typo not among slices's cells"),
-    ("code-heavy", "--cells runs part of the suite: add --no-write"),
+@pytest.mark.parametrize(("argv", "says"), [
+    (["slices", "--cells", "code-heavy,typo"], "--cells: typo not among slices's cells"),
+    (["slices", "--cells", "code-heavy"], "--cells runs part of the suite: add --no-write"),
+    (["comparison", "--reuse", "--no-write"],
+     "--reuse applies to slices only; comparison always replays"),
+    (["slices", "--traces", "/nonexistent", "--no-write"],
+     "--traces /nonexistent: no azure_llm_2023_code.csv, azure_llm_2023_conv.csv, "
+     "mooncake_fast25_conversation.jsonl; expected the shared traces folder"),
 ])
-def test_cells_refuses_unknown_names_and_a_partial_readme_table(cells: str, says: str) -> None:
+def test_run_refuses_bad_options_before_any_replay(argv: list[str], says: str) -> None:
     """``run.py --cells`` used to drop unknown names without a word and then replace the
-    README's whole section with the cells that were left."""
+    README's whole section with the cells that were left; ``--reuse`` outside ``slices``
+    was ignored (a full run started); a traces folder missing a trace failed only after
+    every other replay of the suite had run."""
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "replay" / "run.py"), "slices",
-         "--cells", cells], capture_output=True, text=True, timeout=120)
+        [sys.executable, str(REPO / "benchmarks" / "replay" / "run.py"), *argv],
+        capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].startswith(f"run.py: error: {says}")

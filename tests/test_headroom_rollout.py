@@ -184,7 +184,9 @@ def test_a_bad_knob_stops_with_one_line_naming_it(
      (["--horizon", "nan"], "argument --horizon: expected a number of seconds above 0 (inf: to "
                             "the end of the trace), got 'nan'"),
      (["--samples", "-1"], "argument --samples: expected a whole number >= 0 (0: true output "
-                           "lengths), got '-1'")],
+                           "lengths), got '-1'"),
+     (["--starts", "0,0"], "argument --starts: expected distinct comma-separated whole "
+                           "seconds >= 0 such as 0,1400, got '0,0'")],
 )
 def test_headroom_refuses_a_bad_rollout_option_before_any_replay(
     tmp_path: Path, argv: list[str], message: str

@@ -676,11 +676,17 @@ def _anatomy_table(results: dict[str, list[Arms]]) -> str:
 
 
 def _starts(text: str) -> list[int]:
+    """Distinct slice starts >= 0: a repeated one would count that slice twice in the
+    medians (and two workers would write one folder)."""
     try:
-        return [int(part) for part in text.split(",")]
+        starts = [int(part) for part in text.split(",")]
     except ValueError:
+        starts = []
+    if not starts or min(starts) < 0 or len(set(starts)) != len(starts):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated whole seconds such as 0,1400, got {text!r}") from None
+            f"expected distinct comma-separated whole seconds >= 0 such as 0,1400, got "
+            f"{text!r}")
+    return starts
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -23,6 +23,8 @@ of one trace (recorded in the table with its knobs); the replay is deterministic
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import statistics
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bidkv_ext.replay.cli import main as replay_main
+from bidkv_ext.replay.report import write_atomic
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parents[1]
@@ -276,17 +279,27 @@ def _flag(argv: Sequence[str], name: str, default: str) -> str:
 
 
 UNREADABLE = "saved report is unreadable"
+# Beside each report: the argv it was made with (see replay_arms).
+ARGV_FILE = "argv.json"
 
 
 def saved_arms(report_path: Path) -> Arms:
     """The arms of a saved ``report.json`` by label; ValueError saying why if the file is
     not such a report (a run killed mid-write, or edited by hand)."""
+    return _arms_of(_load_report(report_path))
+
+
+def _load_report(report_path: Path) -> object:
+    """A saved report's JSON; ValueError saying why it cannot be read."""
     try:
-        report = json.loads(report_path.read_text())
+        return json.loads(report_path.read_text())
     except (OSError, RecursionError) as exc:
         raise ValueError(str(exc) or type(exc).__name__) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integer digit limit
         raise ValueError(" ".join(str(exc).split())) from None
+
+
+def _arms_of(report: object) -> Arms:
     arms = report.get("arms") if isinstance(report, dict) else None
     if not isinstance(arms, list) or not all(
         isinstance(a, dict) and isinstance(a.get("label"), str) for a in arms
@@ -297,50 +310,84 @@ def saved_arms(report_path: Path) -> Arms:
 
 def stale_reason(report_path: Path, argv: list[str]) -> str | None:
     """Why the report at ``report_path`` cannot stand for replaying ``argv`` now; None if
-    it can. It must hold exactly the arms ``argv`` asks for, and every BidKV arm must have
+    it can. It must have been made with exactly ``argv`` (recorded beside it by
+    :func:`replay_arms`: the cell's knobs, slice and arms), from the trace as it is now
+    (its sha256), with exactly the arms ``argv`` asks for; and every BidKV arm must have
     recorded the settings it ran with (``policy_config``) and they must be the ones this
     code resolves for that arm today: a report made under an earlier default (the liveness
     threshold was 4 until 2026-11-30) is replayed, never mixed in."""
-    from bidkv_ext.replay.arms import arm_config, parse_arms
-
     if not report_path.is_file():
         return "no report"
-    arms = parse_arms(_flag(argv, "--policies", ""), preemption_policy=None,
-                      policy_classes=[], seed=int(_flag(argv, "--seed", "0")))
     try:
-        saved = saved_arms(report_path)
+        made_with = json.loads((report_path.parent / ARGV_FILE).read_text())
+    except (OSError, ValueError):
+        made_with = None
+    if made_with != argv:
+        return "made with other (or unrecorded) options"
+    try:
+        report = _load_report(report_path)
+        saved = _arms_of(report)
     except ValueError as exc:
         return f"{UNREADABLE} ({exc})"
+    trace = report.get("trace") if isinstance(report, dict) else None
+    if not isinstance(trace, dict) or trace.get("sha256") != _sha256(_flag(argv, "--trace", "")):
+        return "made from another version of the trace"
+    return _arms_stale(saved, argv)
+
+
+def _arms_stale(saved: Arms, argv: list[str]) -> str | None:
+    """Why the saved arms are not the ones ``argv`` asks for, as this code resolves them."""
+    from bidkv_ext.replay.arms import arm_config, parse_arms
+    from bidkv_ext.replay.cli import build_parser
+
+    arms = parse_arms(_flag(argv, "--policies", ""), preemption_policy=None,
+                      policy_classes=[], seed=int(_flag(argv, "--seed", "0")))
     # --policy-class arms are labelled by their spec (not imported here: they run elsewhere).
     classes = {argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag == "--policy-class"}
     wanted = {a.label for a in arms} | classes
     if set(saved) != wanted:
         return f"arms {sorted(saved)} != {sorted(wanted)}"
-    block_size = int(_flag(argv, "--block-size", "16"))
+    # The engine's facts, with the replay's own defaults for options argv leaves out.
+    defaults = build_parser()
+    block_size = int(_flag(argv, "--block-size", str(defaults.get_default("block_size"))))
+    budget = int(_flag(argv, "--max-num-batched-tokens",
+                       str(defaults.get_default("max_num_batched_tokens"))))
     prefix_caching = "--no-prefix-caching" not in argv
     for arm in arms:
         if arm.bidkv_overrides is None:
             continue
         expected = arm_config(arm, {}, environ=os.environ, block_size=block_size,
-                              prefix_caching=prefix_caching).model_dump()
+                              prefix_caching=prefix_caching,
+                              prefill_chunk_tokens=budget).model_dump()
         if saved[arm.label].get("policy_config") != expected:
             return f"{arm.label} was made with other (or unrecorded) settings"
     return None
 
 
+@functools.cache
+def _sha256(path: str) -> str | None:
+    """The trace's sha256 as report.json records it (None if it cannot be read)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def replay_arms(argv: list[str], out: Path, what: str, reuse: bool = False) -> Arms:
     """Replay ``argv`` into ``out`` and return its arms by label. With ``reuse`` a report
-    already in ``out`` is read instead of replaying, unless :func:`stale_reason` objects."""
+    already in ``out`` is read instead of replaying, unless :func:`stale_reason` objects.
+    A replay records ``argv`` beside its report, for a later ``--reuse`` to compare."""
     report_path = out / "report.json"
     reason = stale_reason(report_path, argv) if reuse else "not reusing"
-    if reason is not None and reason.startswith(UNREADABLE):
+    if reuse and reason not in (None, "no report"):
         # Said aloud: --reuse was asked for, and this slice is replayed after all.
         print(f"{Path(sys.argv[0]).name}: {report_path}: {reason}; replaying {what}",
               file=sys.stderr)
-    if reason is not None and replay_main(
-        [*argv, "--no-progress", "--no-plots", "--output-dir", str(out)]
-    ):
-        raise SystemExit(f"{Path(sys.argv[0]).name}: replay failed for {what}")
+    if reason is not None:
+        (out / ARGV_FILE).unlink(missing_ok=True)  # a failed replay leaves no stale record
+        if replay_main([*argv, "--no-progress", "--no-plots", "--output-dir", str(out)]):
+            raise SystemExit(f"{Path(sys.argv[0]).name}: replay failed for {what}")
+        write_atomic(out / ARGV_FILE, (json.dumps(argv) + "\n").encode())
     return saved_arms(report_path)
 
 
@@ -441,14 +488,25 @@ def _paired(runs: list[dict[str, dict[str, Any]]], fn: Any) -> float:
     return statistics.median(fn(r) for r in runs)
 
 
-def _gap_closed(r: dict[str, dict[str, Any]]) -> float:
-    """Share of the best peer's tax gap to the clairvoyant reference that bidkv closes."""
+def _gap_closed(r: dict[str, dict[str, Any]]) -> float | None:
+    """Share of the best peer's tax gap to the clairvoyant reference that bidkv closes;
+    None where the reference recomputes no less than the best peer (no gap to close)."""
     best = min(r[BUILTIN]["recompute_tax"], r[LCF]["recompute_tax"])
     gap = best - r[ORACLE]["recompute_tax"]
-    ours = best - r[BIDKV]["recompute_tax"]
-    if gap <= 0:  # the reference is no better than the best peer here: at or below it counts
-        return 1.0 if ours >= 0 else 0.0
-    return ours / gap
+    return (best - r[BIDKV]["recompute_tax"]) / gap if gap > 0 else None
+
+
+def _gap_goal(runs: list[dict[str, dict[str, Any]]]) -> str:
+    """Issue 8's "close at least half of the gap": the median share over the slices that
+    have a gap (a slice without one has nothing to close, and counting it as met or missed
+    would mix a yes/no into the median of shares)."""
+    shares = [c for r in runs if (c := _gap_closed(r)) is not None]
+    if not shares:
+        return ("gap to clairvoyant closed n/a (the reference recomputes no less than the "
+                "best peer in any slice)")
+    closed = statistics.median(shares)
+    return (f"gap to clairvoyant closed {closed:.2f} over {len(shares)} of {len(runs)} slices "
+            f"(goal >= 0.5): {'yes' if closed >= 0.5 else 'NO'}")
 
 
 def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
@@ -469,9 +527,7 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     marks = [f"{name} {value:.3f} (goal <= {goal}): {'yes' if value <= goal else 'NO'}"
              for name, value, goal in checks]
     if "--no-prefix-caching" not in cell.args and ORACLE in runs[0]:
-        closed = _paired(runs, _gap_closed)
-        marks.append(f"gap to clairvoyant closed {closed:.2f} (goal >= 0.5): "
-                     f"{'yes' if closed >= 0.5 else 'NO'}")
+        marks.append(_gap_goal(runs))
     marks.append(f"throughput / builtin {tps:.3f} (goal >= 0.99): {'yes' if tps >= 0.99 else 'NO'}")
     if ORACLE in runs[0]:
         marks.append(_slice_capture(runs))
@@ -555,7 +611,8 @@ def main() -> int:
                         default=Path(tempfile.gettempdir()) / "bidkv-replay-bench")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--reuse", action="store_true",
-                        help="slices: read reports already under --out instead of replaying")
+                        help="slices only: read reports already under --out (made with the "
+                             "same options from the same trace) instead of replaying")
     args = parser.parse_args()
     wanted = set(args.cells.split(",")) if args.cells else None
     cells = [c for c in SUITE_CELLS[args.suite] if wanted is None or c.name in wanted]
@@ -567,6 +624,14 @@ def main() -> int:
         if len(cells) < len(SUITE_CELLS[args.suite]) and not args.no_write:
             # The README section holds the whole suite under the command without --cells.
             parser.error("--cells runs part of the suite: add --no-write")
+    if args.reuse and args.suite != "slices":
+        parser.error(f"--reuse applies to slices only; {args.suite} always replays")
+    # Checked before any replay: a missing trace would otherwise surface only after every
+    # other replay of the suite had run.
+    missing = sorted({c.trace for c in cells if not (args.traces / c.trace).is_file()})
+    if missing:
+        parser.error(f"--traces {args.traces}: no {', '.join(missing)}; expected the shared "
+                     "traces folder")
     if args.suite == "slices":
         text = run_slices(args.suite, args.traces, cells, args.out, reuse=args.reuse)
     else:

@@ -354,14 +354,19 @@ def arm_config(
     environ: Mapping[str, str],
     block_size: int,
     prefix_caching: bool,
+    prefill_chunk_tokens: int | None = None,
 ) -> BidKVConfig:
     """The BidKVConfig the selector builds for ``arm`` in the engine: the environment, the
     arm's ``additional_config`` (:func:`arm_additional_config`), then the engine's facts
-    (block size, prefix caching), which win as in ``from_vllm_config``."""
+    (block size, prefix caching and, given the engine's token budget, the prefill chunk),
+    which win as in ``from_vllm_config``."""
     from bidkv_ext.config import BidKVConfig
 
+    facts: dict[str, object] = {"block_size": block_size, "prefix_caching": prefix_caching}
+    if prefill_chunk_tokens is not None:
+        facts["prefill_chunk_tokens"] = prefill_chunk_tokens
     return BidKVConfig.from_sources(arm_additional_config(arm, additional_config), environ,
-                                    block_size=block_size, prefix_caching=prefix_caching)
+                                    **facts)
 
 
 def check_arms(
