@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from hust_ext_manager import __version__, provider
 from hust_ext_manager.discovery import InstalledBundle, discover, discover_tolerant
-from hust_ext_manager.fileio import NotARegularFileError, open_regular
+from hust_ext_manager.fileio import read_named_file
 from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 from hust_ext_manager.launch import (
     ENABLED_BUNDLES_ENV,
@@ -253,15 +253,9 @@ def _forget(bundle_id: str) -> None:
 
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
-    try:
-        # Never a plain open(): a FIFO named here would keep the command waiting forever.
-        with open_regular(Path(file)) as stream:
-            data = stream.read()
-    except NotARegularFileError:
-        raise ValueError(
-            f"extension configuration file {file} is not a regular file: expected a regular "
-            "file holding a UTF-8 JSON object"
-        ) from None
+    # Never a plain open(): a FIFO named here would keep the command waiting forever.
+    data = read_named_file(Path(file), f"extension configuration file {file}",
+                           "a regular file holding a UTF-8 JSON object")
     try:
         configuration = load_json(data.decode("utf-8"))
     except (UnicodeDecodeError, JSONInputError) as error:

@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["NotARegularFileError", "append_line", "open_regular"]
+__all__ = ["NotARegularFileError", "append_line", "open_regular", "read_named_file"]
 
 
 class NotARegularFileError(OSError):
@@ -37,6 +37,20 @@ def open_regular(path: Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_named_file(path: Path, what: str, expected: str) -> bytes:
+    """The bytes of a file a user names on the command line (``what``, e.g. ``--config
+    F``); ValueError ``"<what> is not a regular file: expected <expected>"`` for a FIFO,
+    device or directory, or ``"<what> cannot be read (<reason>): expected <expected>"``."""
+    try:
+        with open_regular(path) as stream:
+            return stream.read()
+    except NotARegularFileError:
+        raise ValueError(f"{what} is not a regular file: expected {expected}") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"{what} cannot be read ({reason}): expected {expected}") from None
 
 
 def append_line(path: Path, data: bytes) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hust_ext_manager.fileio import NotARegularFileError, open_regular
+from hust_ext_manager.fileio import read_named_file
 from hust_ext_manager.jsonio import JSONInputError, load_json, same_json
 from hust_ext_manager.provider import RENDERED_OPTIONS
 
@@ -163,17 +163,8 @@ def _read_config_file(path: str) -> object:
     writer forever) or hold anything: YAML's constructors raise the ValueError of Python's
     own int()/date() for a malformed scalar, and deep nesting is a RecursionError.
     """
-    try:
-        with open_regular(Path(path)) as stream:
-            data = stream.read()
-    except NotARegularFileError:
-        raise ValueError(
-            f"--config {path} is not a regular file: expected a regular file holding a UTF-8 "
-            "YAML mapping of options"
-        ) from None
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise ValueError(f"--config {path} cannot be read ({reason}): {_CONFIG_EXPECTED}") from None
+    data = read_named_file(Path(path), f"--config {path}",
+                           "a regular file holding a UTF-8 YAML mapping of options")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
