@@ -318,12 +318,15 @@ def test_engine_build_failure_during_the_run_names_the_arm(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, policy_module: str
 ) -> None:
     """A policy that passes the preflight and fails when its engine is built (the host
-    reads ``wants_host_facts`` then): one line naming the arm, no traceback."""
+    reads ``wants_host_facts`` then): one line naming the arm once, no traceback; the
+    builtin arm that ran before it keeps its results."""
     spec = f"{policy_module}:FactsFlagFails"
     line = _refused_in_process(capsys, *QUICK, "--policy-class", spec,
                                "--output-dir", str(tmp_path / "out"))
-    assert line == (f"bidkv-replay: error: arm {spec!r}: the engine cannot be built: "
-                    "KeyError: 'engine build'")
+    assert line == (f"bidkv-replay: error: arm {spec!r} stopped: the engine cannot be built: "
+                    "KeyError: 'engine build'; the outputs hold the 1 arm(s) before it")
+    arms = json.loads((tmp_path / "out" / "report.json").read_text())["arms"]
+    assert [arm["label"] for arm in arms] == ["builtin"]
 
 
 # --- 5. empty --output-dir ------------------------------------------------------------

@@ -318,17 +318,18 @@ def stale_reason(report_path: Path, argv: list[str]) -> str | None:
     threshold was 4 until 2026-11-30) is replayed, never mixed in."""
     if not report_path.is_file():
         return "no report"
+    # A damaged report is stale whatever it was made with; say that first.
+    try:
+        report = _load_report(report_path)
+        saved = _arms_of(report)
+    except ValueError as exc:
+        return f"{UNREADABLE} ({exc})"
     try:
         made_with = json.loads((report_path.parent / ARGV_FILE).read_text())
     except (OSError, ValueError):
         made_with = None
     if made_with != argv:
         return "made with other (or unrecorded) options"
-    try:
-        report = _load_report(report_path)
-        saved = _arms_of(report)
-    except ValueError as exc:
-        return f"{UNREADABLE} ({exc})"
     trace = report.get("trace") if isinstance(report, dict) else None
     if not isinstance(trace, dict) or trace.get("sha256") != _sha256(_flag(argv, "--trace", "")):
         return "made from another version of the trace"

@@ -360,7 +360,8 @@ def _run(args: argparse.Namespace) -> int:
         # A stall that depends on the policy (a capacity schedule shrinking below a request
         # some arms still run): the arms before it keep their results.
         label = arms[len(done.results)].label
-        print(f"bidkv-replay: error: arm {label!r} stopped: {done.stopped}; the outputs hold "
+        reason = done.stopped.removeprefix(f"arm {label!r}: ")  # named once, just below
+        print(f"bidkv-replay: error: arm {label!r} stopped: {reason}; the outputs hold "
               f"the {len(done.results)} arm(s) before it", file=sys.stderr)
         return 2
     return written
