@@ -22,11 +22,12 @@ every arm's vLLM configuration and policy as the engine will (so what only vLLM 
 policy knows, such as a ``--max-model-len`` vLLM cannot serve or a ``from_vllm_config`` that
 raises, fails there, naming the arm; each arm then runs with the policy built there, so a
 policy is built once), and last the ``--output-dir`` (created then). So a bad input never
-costs a finished arm. A capacity schedule that stalls only some arms (it shrinks below a
-request they still run) stops the run at the first such arm, exit 2, with the outputs
-holding the arms before it. Report files and plots are written atomically
-(temporary file in the directory + ``os.replace``); a figure JSON cannot hold (infinity)
-fails only the file that holds it, with one line naming the figure.
+costs a finished arm. An arm that fails once the run has started (a capacity schedule
+that shrinks below a request only some arms still run, an engine that cannot be built)
+stops the run there, exit 2, with the outputs holding the arms before it. Report files
+and plots are written atomically (temporary file in the directory + ``os.replace``); a
+figure JSON cannot hold (infinity) fails only the file that holds it, with one line naming
+the figure.
 """
 
 from __future__ import annotations
@@ -357,8 +358,8 @@ def _run(args: argparse.Namespace) -> int:
     document = _report_document(args, trace_info, settings, step_model, done.results)
     written = _write_outputs(args, document, done.ttfts, done.speeds, done.walls)
     if done.stopped is not None:
-        # A stall that depends on the policy (a capacity schedule shrinking below a request
-        # some arms still run): the arms before it keep their results.
+        # An arm failed mid-run (a stall that depends on the policy, an engine that cannot
+        # be built): the arms before it keep their results.
         label = arms[len(done.results)].label
         reason = done.stopped.removeprefix(f"arm {label!r}: ")  # named once, just below
         print(f"bidkv-replay: error: arm {label!r} stopped: {reason}; the outputs hold "
