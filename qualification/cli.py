@@ -157,9 +157,10 @@ def _release_check(args: argparse.Namespace) -> int:
 
 
 def _read_log(path: Path) -> str:
-    # A FIFO (or a device) is refused, not waited on: a plain open blocks until a writer.
+    # A named FIFO (or a device) is refused, not waited on: a plain open blocks until a
+    # writer. A shell's pipe (/dev/stdin, <(docker logs ...)) has its writer and is read.
     try:
-        return read_regular(path).decode("utf-8", errors="replace")
+        return read_regular(path, unnamed_pipe=True).decode("utf-8", errors="replace")
     except OSError as exc:
         raise QualificationError(
             f"--verify-log {path}: cannot be read ({exc.strerror or exc}); "

@@ -3,7 +3,8 @@
 Python 3.11's ``Path.exists()``, ``is_file()`` and ``is_dir()`` raise OSError for a name
 longer than the file system allows (ENAMETOOLONG) or a directory without search
 permission (EACCES), and answer False for a symbolic-link loop (ELOOP) as though nothing
-were there; a plain ``open`` of a FIFO blocks until a writer comes. These helpers turn
+were there; a plain ``open`` of a FIFO blocks until a writer comes (a shell's unnamed pipe
+has one from the start). These helpers turn
 each case into an answer or a one-line refusal naming the path.
 """
 
@@ -43,15 +44,36 @@ def path_kind(path: Path, what: str, expected: str) -> PathKind:
     return "directory" if stat.S_ISDIR(mode) else "other"
 
 
-def read_regular(path: Path) -> bytes:
+def read_regular(path: Path, *, unnamed_pipe: bool = False) -> bytes:
     """The bytes of the regular file at ``path``.
 
     Opened non-blocking and checked on the descriptor, so a FIFO (or a device) at the path
     is refused at once rather than blocking the reader forever or never ending; that is an
     OSError (EINVAL, "not a regular file") for the caller to name, like any unreadable file.
+    With ``unnamed_pipe`` a shell's pipe (``/dev/stdin`` in a pipeline, ``<(...)``) is read
+    to its end: its writer exists from the moment it is made, unlike a named FIFO's.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        mode = os.fstat(fd).st_mode
+        if unnamed_pipe and stat.S_ISFIFO(mode) and _is_unnamed_pipe(fd):
+            os.set_blocking(fd, True)
+        elif not stat.S_ISREG(mode):
+            # Before fdopen(): it raises on a directory without closing a descriptor it
+            # was given.
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+        stream = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with stream:
         return stream.read()
+
+
+def _is_unnamed_pipe(fd: int) -> bool:
+    """Whether the FIFO open at ``fd`` has no name (Linux shows ``pipe:[inode]``); where
+    /proc cannot say, it counts as named."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    except OSError:
+        return False

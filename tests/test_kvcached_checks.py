@@ -645,6 +645,12 @@ def test_kv_events_read_as_vllms_own_parser_reads_them(
     ["--config", "serve.yml.txt"],  # vLLM refuses a file that is not .yaml/.yml
     ["--config", "missing.yaml"],  # ... or that it cannot read: the launch fails anyway
     ["--config", "list.yaml"],  # a YAML list is no set of options
+    # Files YAML cannot construct: PyYAML raises KeyError, AttributeError, RecursionError
+    # (the check failed with them; the manager names the file in one line).
+    ["--config", "bool.yaml"],
+    ["--config", "time.yaml"],
+    ["--config", "deep.yaml"],
+    ["--config", "dir.yaml"],  # a directory: nothing read, its descriptor closed
 ])
 def test_config_files_vllm_does_not_read_enable_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
@@ -653,7 +659,13 @@ def test_config_files_vllm_does_not_read_enable_nothing(
     for name in ("serve.yaml", "serve.yml.txt"):
         Path(name).write_text(_NESTED_ON, encoding="utf-8")
     Path("list.yaml").write_text("- kv-events-config\n", encoding="utf-8")
+    Path("bool.yaml").write_text(_NESTED_ON + "enforce-eager: !!bool maybe\n")
+    Path("time.yaml").write_text(_NESTED_ON + "seed: !!timestamp soon\n")
+    Path("deep.yaml").write_text("[" * 5000 + "]" * 5000)
+    Path("dir.yaml").mkdir()
+    open_before = len(os.listdir("/proc/self/fd"))
     assert checks.check_kv_events(["vllm", "serve", "m", *args]) == []
+    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def _vllm_parser() -> Any:

@@ -216,7 +216,12 @@ def test_a_config_file_that_is_not_a_regular_file_is_refused_at_once(
     (b"port: " + b"9" * 5000 + b"\n", "is not valid YAML (Exceeds the limit (4300 digits)"),
     (b"port: [1\n", "is not valid YAML (expected ',' or ']', but got '<stream end>' at line 2"),
     (b"- port\n", "is not a mapping of options"),
-], ids=["not-utf8", "deep", "bad-date", "long-integer", "syntax", "list"])
+    # PyYAML's own constructors: a dict lookup (KeyError) and a failed regex match
+    # (AttributeError), not YAMLErrors; they ended in "internal error".
+    (b"enforce-eager: !!bool maybe\n", "is not valid YAML (a tagged value its tag cannot"),
+    (b"seed: !!timestamp soon\n", "is not valid YAML (a tagged value its tag cannot"),
+], ids=["not-utf8", "deep", "bad-date", "long-integer", "syntax", "list", "tagged-bool",
+        "tagged-timestamp"])
 def test_a_config_file_that_is_not_a_yaml_mapping_is_one_line_naming_it(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, problem: str
 ) -> None:

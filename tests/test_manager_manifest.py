@@ -601,6 +601,14 @@ def test_editable_install_is_found_through_direct_url(
     code, _, err = invoke(["extension", "inspect", TEST_ID], capsys)
     assert code == 2
     assert "editable direct_url.json is invalid" in err
+    # A tree whose path cannot even be looked at (Python 3.11's is_file raises on a name
+    # too long) holds no manifest; it used to end in "[Errno 36] File name too long".
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": (tmp_path / ("x" * 300)).as_uri(), "dir_info": {"editable": True}}))
+    code, _, err = invoke(["extension", "inspect", TEST_ID], capsys)
+    assert code == 2
+    assert err.splitlines()[-1].endswith(
+        f"{TEST_ID!r} must contain exactly one Bundle v1 manifest"), err
 
 
 def test_list_is_tolerant_of_invalid_bundles(

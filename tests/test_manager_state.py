@@ -371,8 +371,32 @@ def test_a_configuration_file_that_is_not_a_regular_file_is_refused_at_once(
     assert (code, out) == (2, "") and "Traceback" not in err
     assert err.splitlines()[-1] == (
         f"vllm-hust-ext: error: extension configuration file {settings} is not a regular "
-        "file: expected a regular file holding a UTF-8 JSON object")
+        "file or an unnamed pipe: expected a UTF-8 JSON object in a file or a shell's pipe")
     assert config.read_bytes() == before
+
+
+def test_a_configuration_file_may_be_a_shells_pipe(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``configure --file <(...)`` (or ``/dev/stdin`` in a pipeline) names an unnamed pipe
+    whose writer exists from the start: it is read to its end, here from a writer that
+    answers late, not refused as a FIFO would be."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    writer = subprocess.Popen(
+        ["sh", "-c", "sleep 0.3; printf '%s' '{\"environment\": {\"A\": \"1\"}}'"],
+        stdout=subprocess.PIPE)
+    assert writer.stdout is not None
+    try:
+        fd = writer.stdout.fileno()
+        with within(10):
+            code, out, err = invoke(
+                ["extension", "configure", "org.test.a", "--file", f"/dev/fd/{fd}"], capsys)
+    finally:
+        writer.stdout.close()
+        writer.wait(timeout=10)
+    assert (code, out) == (0, "configured org.test.a\n"), err
+    assert json.loads(config.read_text())["extensions"]["org.test.a"]["configuration"] == {
+        "environment": {"A": "1"}}
 
 
 @pytest.mark.parametrize("value", ["/", ".", "..", "/.", "sub/.."])

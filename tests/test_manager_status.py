@@ -955,15 +955,20 @@ def test_an_editable_host_is_detected_from_its_source_tree(
             "bidkv_ext.selector.BidkvPreemptionPolicy")
 
 
+@pytest.mark.parametrize("tree", ["not-json", "name-too-long"])
 def test_an_editable_host_with_an_invalid_direct_url_can_still_be_declared(
-    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], tree: str
 ) -> None:
-    """An editable host whose direct_url.json is not JSON names no source tree: the
-    contract is not detected (the version is unavailable), and a declared
-    ``protocol_versions`` still makes the bundle compatible, as on any host without it."""
+    """An editable host whose direct_url.json is not JSON names no source tree, and one
+    naming a tree whose path the file system cannot even look at (a name too long, where
+    Python 3.11's ``is_file`` raises) has none either: the contract is not detected (the
+    version is unavailable), and a declared ``protocol_versions`` still makes the bundle
+    compatible, as on any host without it."""
     document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
     install(site, {"org.test.p": document})
-    _fake_editable_host(site, tmp_path, direct_url="{not json")
+    direct_url = "{not json" if tree == "not-json" else json.dumps(
+        {"url": (tmp_path / ("x" * 300)).as_uri(), "dir_info": {"editable": True}})
+    _fake_editable_host(site, tmp_path, direct_url=direct_url)
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": {}}})
     shown = status("org.test.p", capsys)
     assert shown["evidence"][2] == "protocol vllm.preemption-policy version is unavailable"

@@ -1653,6 +1653,29 @@ def test_a_fifo_as_the_engine_log_is_refused_not_read(
     assert "not a regular file" in message, message
 
 
+def test_a_shells_pipe_as_the_engine_log_is_read(tmp_path: Path) -> None:
+    """``rollback --verify-log <(docker logs ...)`` (or ``/dev/stdin`` in a pipeline)
+    names an unnamed pipe, whose writer exists from the start: it is read to its end, here
+    from a writer that answers late, and judged; only a named FIFO is refused. A directory
+    is refused without keeping its descriptor open."""
+    line = "INFO Preemption policy initialized: policy=builtin enabled=False"
+    writer = subprocess.Popen(["sh", "-c", f"sleep 0.3; echo '{line}'"],
+                              stdout=subprocess.PIPE)
+    assert writer.stdout is not None
+    try:
+        outcome = cli(["rollback", "--verify-log", f"/dev/fd/{writer.stdout.fileno()}"])
+    finally:
+        writer.stdout.close()
+        writer.wait(timeout=10)
+    assert outcome.code == 0, outcome
+    assert "all policy=builtin enabled=False" in outcome.out, outcome
+    open_before = len(os.listdir("/proc/self/fd"))
+    message = check_refused(cli(["rollback", "--verify-log", str(tmp_path)]),
+                            [f"--verify-log {tmp_path}"])
+    assert "not a regular file" in message, message
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
 def _no_manager_step(*_args: object) -> tuple[bool, str]:
     raise AssertionError("a manager verb ran before the bad input was refused")
 

@@ -830,10 +830,11 @@ def _config_file_options(command: Sequence[str]) -> list[str]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)  # checked before open(): it would raise on a directory and keep fd
+        return []
     try:
         with open(fd, encoding="utf-8") as stream:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return []
             loaded = yaml.safe_load(stream)
         if not isinstance(loaded, dict):
             return []
@@ -848,7 +849,10 @@ def _config_file_options(command: Sequence[str]) -> list[str]:
                 options += [flag, json.dumps(value)]
             else:
                 options += [flag, str(value)]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, ValueError):
+    # PyYAML's safe constructors also raise KeyError (``!!bool abc``), AttributeError
+    # (``!!timestamp abc``) and RecursionError (deep nesting); the manager names them.
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, ValueError, KeyError,
+            AttributeError, RecursionError):
         return []
     return options
 

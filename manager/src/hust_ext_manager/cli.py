@@ -253,9 +253,11 @@ def _forget(bundle_id: str) -> None:
 
 def _configure(bundle_id: str, file: str) -> None:
     _one(bundle_id)
-    # Never a plain open(): a FIFO named here would keep the command waiting forever.
+    # Never a plain open(): a named FIFO here would keep the command waiting forever. A
+    # shell's unnamed pipe (--file <(...), /dev/stdin) has its writer and is read.
     data = read_named_file(Path(file), f"extension configuration file {file}",
-                           "a regular file holding a UTF-8 JSON object")
+                           "a UTF-8 JSON object in a file or a shell's pipe",
+                           unnamed_pipe=True)
     try:
         configuration = load_json(data.decode("utf-8"))
     except (UnicodeDecodeError, JSONInputError) as error:

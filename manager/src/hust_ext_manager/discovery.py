@@ -32,6 +32,7 @@ __all__ = [
     "InstalledBundle",
     "discover",
     "discover_tolerant",
+    "file_exists",
     "source_roots",
 ]
 
@@ -128,9 +129,19 @@ def _ships_module(dist: Distribution, recorded: set[PurePosixPath], module: str)
     sources = [folder / f"{leaf}.py", folder / leaf / "__init__.py"]
     listed = [p for p in recorded if p in sources or (
         p.parent == folder and p.name.startswith(f"{leaf}.") and p.suffix in (".so", ".pyd"))]
-    if any(Path(str(dist.locate_file(str(p)))).is_file() for p in listed):
+    if any(file_exists(Path(str(dist.locate_file(str(p))))) for p in listed):
         return True
-    return any((root / p).is_file() for root in source_roots(dist) for p in sources)
+    return any(file_exists(root / p) for root in source_roots(dist) for p in sources)
+
+
+def file_exists(path: Path) -> bool:
+    """Whether a regular file is at ``path``. A path Python 3.11's ``is_file()`` cannot
+    stat (a name too long, a folder without search permission: it raises) counts as none;
+    nothing there could be imported either."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _token(text: str) -> str:
@@ -190,7 +201,7 @@ def _manifest_path(
     if not matches:
         # Editable installs record only a finder/.pth; the files live in the source tree.
         matches = [
-            root / p for root in _editable_roots(dist) for p in wanted if (root / p).is_file()
+            root / p for root in _editable_roots(dist) for p in wanted if file_exists(root / p)
         ]
     if len(matches) != 1:
         raise DiscoveryError(f"{name!r} must contain exactly one Bundle v1 manifest")

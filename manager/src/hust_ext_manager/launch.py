@@ -161,7 +161,8 @@ def _read_config_file(path: str) -> object:
 
     The file is the caller's to name, so it may be a FIFO (a plain open() would wait for a
     writer forever) or hold anything: YAML's constructors raise the ValueError of Python's
-    own int()/date() for a malformed scalar, and deep nesting is a RecursionError.
+    own int()/date() for a malformed scalar (and a KeyError for ``!!bool abc``, an
+    AttributeError for ``!!timestamp abc``), and deep nesting is a RecursionError.
     """
     data = read_named_file(Path(path), f"--config {path}",
                            "a regular file holding a UTF-8 YAML mapping of options")
@@ -177,7 +178,7 @@ def _read_config_file(path: str) -> object:
         return yaml.safe_load(text)
     except RecursionError:
         raise ValueError(f"--config {path} is nested too deeply: {_CONFIG_EXPECTED}") from None
-    except (yaml.YAMLError, ValueError, TypeError) as error:
+    except (yaml.YAMLError, ValueError, TypeError, KeyError, AttributeError) as error:
         raise ValueError(
             f"--config {path} is not valid YAML ({_yaml_problem(error)}): {_CONFIG_EXPECTED}"
         ) from None
@@ -187,6 +188,10 @@ def _yaml_problem(error: Exception) -> str:
     """One line saying what is wrong and where (YAML's own texts span several lines)."""
     import yaml
 
+    if isinstance(error, (KeyError, AttributeError)):
+        # How PyYAML's !!bool and !!timestamp constructors fail on a value they cannot read;
+        # their own texts ('maybe', a NoneType attribute) would name nothing useful.
+        return "a tagged value its tag cannot construct"
     if isinstance(error, yaml.MarkedYAMLError) and error.problem:
         mark = error.problem_mark
         where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"

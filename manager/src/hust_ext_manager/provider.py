@@ -30,6 +30,7 @@ from hust_ext_manager.discovery import (
     SHUTDOWN_GROUP,
     DiscoveryError,
     InstalledBundle,
+    file_exists,
     source_roots,
 )
 from hust_ext_manager.jsonio import same_json
@@ -115,7 +116,7 @@ def host_has_preemption_contract(host_name: str = "vllm") -> bool:
         # and an operator's declared protocol_versions still decides (manager-protocol.md
         # §8), as on any host without it.
         return False
-    return any((root / CONTRACT_FILE).is_file() for root in roots)
+    return any(file_exists(root / CONTRACT_FILE) for root in roots)
 
 
 def _detected_protocols(host_name: str) -> dict[str, str]:
