@@ -96,6 +96,9 @@ def test_a_report_made_with_other_options_or_another_trace_is_replayed(tmp_path:
     report = _saved(tmp_path, _arms(8))
     (tmp_path / run.ARGV_FILE).unlink()
     assert run.stale_reason(report, argv) == "made with other (or unrecorded) options"
+    # A damaged record (here nested past the JSON decoder's recursion limit) is no record.
+    (tmp_path / run.ARGV_FILE).write_text("[" * 100_000)
+    assert run.stale_reason(report, argv) == "made with other (or unrecorded) options"
     report = _saved(tmp_path, _arms(8))
     (tmp_path / "t.csv").write_text(TRACE_TEXT + "2023-11-16 18:15:47.00,10,5\n")
     run._sha256.cache_clear()
@@ -327,10 +330,12 @@ def test_capture_against_builtin() -> None:
         "oracle-gap capture P99 TTFT 0.50; recovered P99 TTFT n/a")
 
 
-def test_a_rollout_horizon_or_width_of_its_own_names_its_own_reports() -> None:
+def test_a_rollout_horizon_width_or_sample_count_of_its_own_names_its_own_reports() -> None:
     """``headroom.py --reuse`` finds reports by their folder tag: a rollout with another
-    horizon or width must not be tagged (and its README section named) as the standard
-    one, or reports made at one horizon would be re-rendered as another's."""
+    horizon, width or number of sampled futures must not be tagged (and its README section
+    named) as the standard one, or reports made at one horizon would be re-rendered as
+    another's. None of the three is in the replay's argv (the workers read them from the
+    environment), so the tag is all --reuse can tell them by."""
     import headroom
 
     def variant(**kw: object) -> str:
@@ -343,6 +348,8 @@ def test_a_rollout_horizon_or_width_of_its_own_names_its_own_reports() -> None:
     assert variant(horizon=5.0) == "-horizon5"
     assert variant(width=1) == "-width1"
     assert variant(horizon=5.0, width=1, samples=2) == "-sampled-horizon5-width1"
+    assert variant(samples=headroom.STANDARD_SAMPLES) == "-sampled"  # the README's sections
+    assert variant(samples=4) == "-sampled4"
     assert variant(suite="pc", horizon=5.0) == ""  # only the rollout suites read them
 
 

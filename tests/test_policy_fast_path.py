@@ -80,20 +80,40 @@ def test_the_fast_path_chooses_what_scoring_everyone_chooses(
     assert mismatches == []
 
 
-def test_token_counts_beyond_int64_fall_back_to_python_scoring() -> None:
+@pytest.mark.parametrize("builtin", ["r1", None])
+def test_token_counts_beyond_int64_fall_back_to_python_scoring(builtin: str | None) -> None:
     """With 48+ candidates the computed counts go into an int64 array; a count of 2**63
     raised OverflowError there (below 48 it worked), and the controller dropped the policy
-    for the life of the process. Now the decision is made by scoring in Python."""
+    for the life of the process. Now the decision is made by scoring in Python: the best
+    candidate, not merely the built-in victim (here a loser, or none)."""
     huge = 2**63
     for n in (47, 48, 200):
         large = [PreemptionCandidate(f"r{i}", 0, float(i), 10, 1, huge + i, 0, 4096)
                  for i in range(n - 1)]
         cands = (*large, PreemptionCandidate("small", 0, float(n), 10, 1, 32, 0, 4096))
         controller = PolicyController(BidkvPreemptionPolicy(BidKVConfig(enabled=True)))
-        context = PreemptionContext(cands, "fcfs", "r0", 0.9, 1.0, cands[-1].request_id)
+        context = PreemptionContext(cands, "fcfs", "r0", 0.9, 1.0, builtin)
         assert controller.select_victim(context) == "small", n
         stats = controller.export_stats()
-        assert stats["failures"] == 0 and stats["enabled"], n
+        assert stats["failures"] == 0 and stats["selections"] == 1 and stats["enabled"], n
+
+
+@pytest.mark.parametrize("count", [2**61, 2**62, 2**63 - 1, 2**63])
+def test_counts_near_the_fast_paths_markers_choose_as_below_48(count: int) -> None:
+    """Counts that fit in int64 but reach the fast path's markers (2**62 marks a candidate
+    outside the ranked set, 2**61 caps the cut's limit) made it abstain, or return the
+    built-in victim although it frees too little, while 47 candidates chose the one that
+    frees enough. From 48 candidates the decision is the same as with 47."""
+    def victim(n: int) -> str | None:
+        small = [PreemptionCandidate(f"s{i}", 0, float(i), 10, 1, 5, 0, 4096)
+                 for i in range(n - 2)]
+        cands = (*small, PreemptionCandidate("big", 0, 100.0, 10, 1, count, 0, 4096),
+                 PreemptionCandidate("req", 0, 200.0, 5000, 0, 0, 0, 4096))
+        controller = PolicyController(BidkvPreemptionPolicy(BidKVConfig(enabled=True)))
+        return controller.select_victim(PreemptionContext(cands, "fcfs", "req", 0.9, 0.0, "s0"))
+
+    assert victim(47) == "big"
+    assert victim(48) == victim(200) == "big"
 
 
 def test_a_negative_preemption_count_cannot_lower_the_disruption() -> None:

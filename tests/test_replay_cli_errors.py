@@ -133,29 +133,38 @@ def test_a_final_capacity_below_a_late_request_is_refused_before_any_arm(
 ) -> None:
     """A request that arrives after a capacity schedule's last change and needs more blocks
     than that last capacity stalls every arm: the schedule is refused up front (it used to
-    stop the run inside an arm, losing those before it). One block more and it runs."""
+    stop the run inside an arm, losing those before it). The least capacity it asks for
+    holds every such request, not only the first (which led from one refusal to the next);
+    with that capacity the run completes."""
     rows = ({"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]},
-            {"timestamp": 3000, "input_length": 150, "output_length": 100, "hash_ids": [1]})
-    trace = _write(tmp_path, "pair.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    # Request 1 holds ceil((150 + 100 - 1) / 16) = 16 blocks.
+            {"timestamp": 3000, "input_length": 150, "output_length": 100, "hash_ids": [1]},
+            {"timestamp": 3100, "input_length": 200, "output_length": 100, "hash_ids": [2]})
+    trace = _write(tmp_path, "three.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    # Request 1 holds ceil((150 + 100 - 1) / 16) = 16 blocks, request 2 ceil(299 / 16) = 19.
     low = _write(tmp_path, "low.json", '[{"t": 1.0, "blocks": 15}]')
     message = _refused(capsys, tmp_path, "--trace", str(trace), "--num-gpu-blocks", "21",
                        "--policies", "least-computed-first,builtin",
                        "--capacity-schedule", str(low))
     assert message == (
         f"bidkv-replay: error: --capacity-schedule {low}: its final capacity of 15 blocks "
-        "cannot hold request 1 (150 prompt + 100 output tokens, 16 blocks of 16 tokens), "
-        "which arrives after the last change, so every arm would stall; expected a final "
-        "capacity of at least 16 blocks, or a window without it")
+        "cannot hold request 1 (150 prompt + 100 output tokens, 16 blocks of 16 tokens) and "
+        "1 more, arriving after the last change, so every arm would stall; expected a final "
+        "capacity of at least 19 blocks, or a window without them")
     assert not (tmp_path / "out").exists()
-    enough = _write(tmp_path, "enough.json", '[{"t": 1.0, "blocks": 16}]')
+    almost = _write(tmp_path, "almost.json", '[{"t": 1.0, "blocks": 18}]')
+    message = _refused(capsys, tmp_path, "--trace", str(trace), "--num-gpu-blocks", "21",
+                       "--policies", "least-computed-first,builtin",
+                       "--capacity-schedule", str(almost))
+    assert "cannot hold request 2 (200 prompt + 100 output tokens, 19 blocks" in message
+    assert "at least 19 blocks" in message
+    enough = _write(tmp_path, "enough.json", '[{"t": 1.0, "blocks": 19}]')
     out = tmp_path / "ran"
     code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
                  "--no-progress", "--policies", "least-computed-first,builtin",
                  "--capacity-schedule", str(enough), "--output-dir", str(out)])
     assert code == 0, capsys.readouterr().err
     arms = json.loads((out / "report.json").read_text())["arms"]
-    assert [arm["completed"] for arm in arms] == [2, 2]
+    assert [arm["completed"] for arm in arms] == [3, 3]
 
 
 def test_an_arm_that_stalls_keeps_the_arms_before_it(
@@ -183,6 +192,18 @@ def test_an_arm_that_stalls_keeps_the_arms_before_it(
         "capacity schedule's final 15 blocks provide; the outputs hold the 1 arm(s) before it")
     arms = json.loads((out / "report.json").read_text())["arms"]
     assert [(arm["label"], arm["completed"]) for arm in arms] == [("least-computed-first", 3)]
+    # The stalling arm first: it is named too, and no report is written for no arm.
+    first = tmp_path / "first"
+    code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
+                 "--no-progress", "--policies", "largest-first,least-computed-first",
+                 "--capacity-schedule", str(schedule), "--output-dir", str(first)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "bidkv-replay: error: arm 'largest-first' stopped: the scheduler cannot make "
+        "progress: request 0 (150 prompt + 100 output tokens) needs more KV blocks than the "
+        "capacity schedule's final 15 blocks provide")
+    assert not (first / "report.json").exists()
 
 
 @pytest.mark.parametrize("policies", ["bidkv", "builtin,bidkv{liveness_preemptions=0}"])

@@ -335,6 +335,10 @@ def _env(name: str, default: str, parse: Callable[[str], _T], expected: str) -> 
 # off reports made with one horizon as another's).
 STANDARD_HORIZON = 20.0
 STANDARD_WIDTH = 4
+# The sampled futures per option of the README's "-sampled" sections; any other count is
+# named in the folder and marker (the count is not in the replay's argv, so --reuse could
+# not tell otherwise).
+STANDARD_SAMPLES = 2
 HORIZON_EXPECTED = "a number of seconds above 0 (inf: to the end of the trace)"
 WIDTH_EXPECTED = "a whole number of candidates >= 1"
 
@@ -732,8 +736,9 @@ def _export_rollout_knobs(args: argparse.Namespace) -> None:
 def _variant(args: argparse.Namespace) -> str:
     """The suffix naming a rollout variant in report folders and README markers."""
     rollout = args.suite.startswith("rollout")
-    return (f"-{args.objective}" if rollout and args.objective != "tax" else "") + (
-        "-sampled" if rollout and args.samples > 0 else "") + (
+    sampled = "" if not rollout or args.samples == 0 else (
+        "-sampled" if args.samples == STANDARD_SAMPLES else f"-sampled{args.samples}")
+    return (f"-{args.objective}" if rollout and args.objective != "tax" else "") + sampled + (
         f"-known{args.known:g}" if args.known else "") + (
         f"-horizon{args.horizon:g}" if rollout and args.horizon != STANDARD_HORIZON
         else "") + (

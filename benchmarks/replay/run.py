@@ -326,7 +326,7 @@ def stale_reason(report_path: Path, argv: list[str]) -> str | None:
         return f"{UNREADABLE} ({exc})"
     try:
         made_with = json.loads((report_path.parent / ARGV_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged record is no record
         made_with = None
     if made_with != argv:
         return "made with other (or unrecorded) options"

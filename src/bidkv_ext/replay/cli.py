@@ -276,16 +276,19 @@ def _check_final_capacity(
     stall stops the run at that arm, with the arms before it reported.)"""
     final = capacity.points[-1].blocks
     last_change = requests[0].arrival + capacity.points[-1].t  # schedule time is relative
-    for request in requests:
-        need = _blocks(request, block_size)
-        if request.arrival >= last_change and need > final:
-            raise _UsageError(
-                f"--capacity-schedule {path}: its final capacity of {final} blocks cannot "
-                f"hold request {request.index} ({request.input_length} prompt + "
-                f"{request.output_length} output tokens, {need} blocks of {block_size} "
-                "tokens), which arrives after the last change, so every arm would stall; "
-                f"expected a final capacity of at least {need} blocks, or a window without it"
-            )
+    late = [(r, _blocks(r, block_size)) for r in requests if r.arrival >= last_change]
+    too_large = [(r, need) for r, need in late if need > final]
+    if too_large:
+        request, need = too_large[0]
+        most = max(need for _, need in too_large)  # the least capacity that holds them all
+        others = f" and {len(too_large) - 1} more" if len(too_large) > 1 else ""
+        raise _UsageError(
+            f"--capacity-schedule {path}: its final capacity of {final} blocks cannot hold "
+            f"request {request.index} ({request.input_length} prompt + "
+            f"{request.output_length} output tokens, {need} blocks of {block_size} tokens)"
+            f"{others}, arriving after the last change, so every arm would stall; expected a "
+            f"final capacity of at least {most} blocks, or a window without them"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,18 +355,18 @@ def _run(args: argparse.Namespace) -> int:
     prepare_output_dir(args.output_dir, _output_names(args))
     trace_info = _trace_info(args, trace_path, raw, selection, requests)
     done = _replay_all(requests, arms, policies, settings, step_model, args)
-    if done.stopped is not None and not done.results:
-        print(f"bidkv-replay: error: {done.stopped}", file=sys.stderr)
-        return 2
-    document = _report_document(args, trace_info, settings, step_model, done.results)
-    written = _write_outputs(args, document, done.ttfts, done.speeds, done.walls)
+    written = 0
+    if done.results:
+        document = _report_document(args, trace_info, settings, step_model, done.results)
+        written = _write_outputs(args, document, done.ttfts, done.speeds, done.walls)
     if done.stopped is not None:
         # An arm failed mid-run (a stall that depends on the policy, an engine that cannot
         # be built): the arms before it keep their results.
         label = arms[len(done.results)].label
         reason = done.stopped.removeprefix(f"arm {label!r}: ")  # named once, just below
-        print(f"bidkv-replay: error: arm {label!r} stopped: {reason}; the outputs hold "
-              f"the {len(done.results)} arm(s) before it", file=sys.stderr)
+        kept = (f"; the outputs hold the {len(done.results)} arm(s) before it"
+                if done.results else "")
+        print(f"bidkv-replay: error: arm {label!r} stopped: {reason}{kept}", file=sys.stderr)
         return 2
     return written
 

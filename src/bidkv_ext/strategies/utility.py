@@ -185,8 +185,9 @@ class UtilityStrategy:
             try:
                 window, builtin = self._bounded(candidates, need, known, builtin, requester)
             except OverflowError:
-                # A count beyond int64 (no real host has one): score in Python below, which
-                # takes counts up to the float range, rather than fail and lose the policy.
+                # A count of 2**61 or more (no real host has one): score in Python below,
+                # which takes counts up to the float range, rather than choose wrongly or
+                # fail and lose the policy.
                 window = None
         if window is None:
             window = self._sufficient(candidates, need, facts)
@@ -339,8 +340,13 @@ class UtilityStrategy:
         computed: _Counts = np.array([c.num_computed_tokens for c in candidates], np.int64)
         # The ranked set: candidates that free the shortfall alone, when any does; else
         # every candidate that frees anything (U = 0 cannot win).
+        most = int(computed.max())
+        if most >= _BEYOND_ANY:
+            # The bounds below mark and cap counts at _NEVER and _BEYOND_ANY; a count that
+            # reaches them (no real host has one) is scored in Python by the caller.
+            raise OverflowError("computed tokens beyond the fast path's range")
         lowest = self._sufficient_tokens(need)
-        narrowed = need > 1 and int(computed.max()) >= lowest
+        narrowed = need > 1 and most >= lowest
         if not narrowed:
             lowest = 1
         ranked = computed
