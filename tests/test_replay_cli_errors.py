@@ -167,14 +167,24 @@ def test_a_final_capacity_below_a_late_request_is_refused_before_any_arm(
     assert [arm["completed"] for arm in arms] == [3, 3]
 
 
+_STALLED = ("bidkv-replay: error: arm 'largest-first' stopped: the scheduler cannot make "
+            "progress: request 0 (150 prompt + 100 output tokens) needs more KV blocks than "
+            "the capacity schedule's final 15 blocks provide")
+
+
+@pytest.mark.parametrize(("policies", "kept"), [
+    ("least-computed-first,largest-first", ["least-computed-first"]),
+    ("largest-first,least-computed-first", []),
+])
 def test_an_arm_that_stalls_keeps_the_arms_before_it(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, policies: str, kept: list[str]
 ) -> None:
     """Whether a request larger than the last capacity is still unfinished at the last
     change depends on the policy: here least-computed-first finishes it in time and
     largest-first (which preempts it) does not. The run stops at the stalled arm with exit
-    2 and one line naming it, and the outputs hold the arm before it (they used to hold
-    nothing, losing the finished arm)."""
+    2 and one line naming it, and the outputs hold the arms before it (they used to hold
+    nothing, losing the finished arm); with none before it, no report is written, and the
+    arm is still named (it was not)."""
     rows = ({"timestamp": 0, "input_length": 150, "output_length": 100, "hash_ids": [0]},
             {"timestamp": 100, "input_length": 60, "output_length": 60, "hash_ids": [1]},
             {"timestamp": 200, "input_length": 60, "output_length": 60, "hash_ids": [2]})
@@ -182,28 +192,17 @@ def test_an_arm_that_stalls_keeps_the_arms_before_it(
     schedule = _write(tmp_path, "shrink.json", '[{"t": 0.7, "blocks": 15}]')
     out = tmp_path / "out"
     code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
-                 "--no-progress", "--policies", "least-computed-first,largest-first",
+                 "--no-progress", "--policies", policies,
                  "--capacity-schedule", str(schedule), "--output-dir", str(out)])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.strip().splitlines()[-1] == (
-        "bidkv-replay: error: arm 'largest-first' stopped: the scheduler cannot make "
-        "progress: request 0 (150 prompt + 100 output tokens) needs more KV blocks than the "
-        "capacity schedule's final 15 blocks provide; the outputs hold the 1 arm(s) before it")
+    held = f"; the outputs hold the {len(kept)} arm(s) before it" if kept else ""
+    assert err.strip().splitlines()[-1] == _STALLED + held
+    if not kept:
+        assert not (out / "report.json").exists()
+        return
     arms = json.loads((out / "report.json").read_text())["arms"]
-    assert [(arm["label"], arm["completed"]) for arm in arms] == [("least-computed-first", 3)]
-    # The stalling arm first: it is named too, and no report is written for no arm.
-    first = tmp_path / "first"
-    code = main(["--trace", str(trace), "--num-gpu-blocks", "21", "--no-plots",
-                 "--no-progress", "--policies", "largest-first,least-computed-first",
-                 "--capacity-schedule", str(schedule), "--output-dir", str(first)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.strip().splitlines()[-1] == (
-        "bidkv-replay: error: arm 'largest-first' stopped: the scheduler cannot make "
-        "progress: request 0 (150 prompt + 100 output tokens) needs more KV blocks than the "
-        "capacity schedule's final 15 blocks provide")
-    assert not (first / "report.json").exists()
+    assert [(arm["label"], arm["completed"]) for arm in arms] == [(k, 3) for k in kept]
 
 
 @pytest.mark.parametrize("policies", ["bidkv", "builtin,bidkv{liveness_preemptions=0}"])
