@@ -4,8 +4,8 @@ Python 3.11's ``Path.exists()``, ``is_file()`` and ``is_dir()`` raise OSError fo
 longer than the file system allows (ENAMETOOLONG) or a directory without search
 permission (EACCES), and answer False for a symbolic-link loop (ELOOP) as though nothing
 were there; a plain ``open`` of a FIFO blocks until a writer comes (a shell's unnamed pipe
-has one from the start). These helpers turn
-each case into an answer or a one-line refusal naming the path.
+has one from the start). These helpers turn each case into an answer or a one-line
+refusal naming the path.
 """
 
 from __future__ import annotations
