@@ -22,7 +22,9 @@ Where the API is called
       (:mod:`kvcached_provider.activation`), claims it only in the process that holds
       registered pools (the EngineCore), calls the API there and writes the answer.
       No answer within the timeout -> ``unavailable`` (``no_engine_responder``): nothing was
-      applied, because the command withdraws the request before reporting. Each request
+      applied, because the command withdraws the request before reporting; one the engine
+      finds only after that timeout (its command died first) is answered ``unavailable``
+      (``request_expired``) and never applied. Each request
       carries a random ``request_id`` that the engine echoes in its answer; the command
       takes only the answer bearing its own, never one an engine wrote for an earlier
       request of the same revision (a lost state file restarts the counter).
@@ -72,6 +74,7 @@ Refusing to mix with ``kvctl`` (our design; kvcached records no owner in the seg
 from __future__ import annotations
 
 import contextlib
+import decimal
 import errno
 import fcntl
 import importlib
@@ -162,8 +165,11 @@ def parse_size(text: str) -> int:
             "(binary multiples), e.g. 512M or 8G"
         )
     number, unit, _ = match.groups()
-    size = float(number) * _UNITS[unit.lower()]
-    if not size <= _MAX_LIMIT:  # also catches inf from an overlong number
+    # Decimal at the number's own precision is exact: a float would round a size in bytes
+    # past 2**53 (and refuse the int64 maximum that the message below allows).
+    with decimal.localcontext(prec=len(number) + 16):
+        size = decimal.Decimal(number) * _UNITS[unit.lower()]
+    if size > _MAX_LIMIT:
         raise LimitError(
             f"size {text!r} is invalid: expected at most {_MAX_LIMIT} bytes, the largest "
             "total_size a kvcached control record holds"
@@ -704,6 +710,8 @@ def _via_engine(
         _write_json_atomic(request, {
             "schema": _REQUEST_SCHEMA, "ipc_name": ipc, "limit_bytes": limit_bytes,
             "revision": revision, "check_startup": check_startup, "request_id": request_id,
+            # Wall clock, not monotonic: the engine reads it, possibly after a reboot.
+            "expires_at": time.time() + timeout_s,
         })
     except OSError as exc:
         raise LimitError(f"cannot write limit request {request}: {exc.strerror}") from exc
@@ -746,6 +754,25 @@ def _exchange(
         return _RESULT_ADAPTER.validate_python(data)
     except ValidationError as exc:
         raise LimitError(f"{answer} is not a valid limit answer: {exc.errors()[0]['msg']}") from exc
+
+
+def _expired(ipc: str, body: Mapping[str, Any], revision: int) -> LimitResult | None:
+    """The refusal of a request claimed after its command's ``--timeout`` ran out, else None.
+
+    By then the command has withdrawn it and reported ``unavailable``, or it died before it
+    could (SIGKILL, a reboot: the mailbox persists), so applying it would enforce a limit
+    nobody saw accepted, whenever the engine next starts. A request without ``expires_at``
+    (an earlier release's) is served as before.
+    """
+    expires = body.get("expires_at")
+    if (not isinstance(expires, int | float) or isinstance(expires, bool)
+            or not time.time() > expires):
+        return None
+    return LimitResult.refused(
+        ipc, int(body["limit_bytes"]), revision, status="unavailable", reason="request_expired",
+        via="engine", detail=f"the engine found revision {revision} after its command's "
+        "timeout had run out (the command gave up or died); nothing was applied",
+    )
 
 
 class LimitResponder:
@@ -799,9 +826,9 @@ class LimitResponder:
                 raise ValueError("unexpected request schema or instance")
             request_id = str(body.get("request_id") or "")
             revision = int(body["revision"])
-            result = apply_here(self.ipc, int(body["limit_bytes"]), revision,
-                                check_startup=bool(body.get("check_startup")), via="engine",
-                                shm=self.shm)
+            result = _expired(self.ipc, body, revision) or apply_here(
+                self.ipc, int(body["limit_bytes"]), revision,
+                check_startup=bool(body.get("check_startup")), via="engine", shm=self.shm)
         except Exception as exc:  # every claimed request gets an answer
             revision = int(suffix) if suffix.isascii() and suffix.isdecimal() else 0
             result = LimitResult.refused(self.ipc, 0, revision, status="rejected",
