@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -59,6 +59,10 @@ _FALSE = frozenset({"0", "false", "no", "off", ""})
 class ConfigError(ValueError):
     """A configuration value is invalid; the message is one line naming its source."""
 
+    # Set when BidKVConfig(...) itself refused a keyword: pydantic's error, kept so that
+    # BidKVConfig.validated can name the value's source instead of the field.
+    validation: ValidationError | None = None
+
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # Finite and bounded: the terms of delta multiply, and an infinite or huge weight would
@@ -98,6 +102,20 @@ class BidKVConfig(BaseModel):
     # The most prompt tokens one step prefills for a request (a prefilling requester's
     # need without host facts); on a vLLM engine its scheduler's token budget.
     prefill_chunk_tokens: Annotated[int, Field(gt=0)] = 2048
+
+    if not TYPE_CHECKING:  # type checkers keep pydantic's signature (one typed keyword per field)
+
+        def __init__(self, **values: Any) -> None:
+            # Keyword construction (the reference BidKV's API, BidKVConfig(enabled=True))
+            # fails like every other source: one line naming the setting, not pydantic's
+            # several lines and documentation URL. from_sources() goes through validated(),
+            # which names the variable or key each value came from instead.
+            try:
+                super().__init__(**values)
+            except ValidationError as exc:
+                error = ConfigError(_one_line(exc, values, {}))
+                error.validation = exc
+                raise error from None
 
     @field_validator("enabled", "kill_switch", "use_host_facts", "prefix_caching", mode="before")
     @classmethod
@@ -212,8 +230,11 @@ class BidKVConfig(BaseModel):
     def validated(cls, values: Mapping[str, Any], origin: Mapping[str, str]) -> BidKVConfig:
         try:
             return cls(**values)
-        except ValidationError as exc:
-            raise ConfigError(_one_line(exc, values, origin)) from None
+        except ConfigError as exc:
+            if exc.validation is None:
+                raise
+            # Named again by the source (variable or additional_config key) of the value.
+            raise ConfigError(_one_line(exc.validation, values, origin)) from None
 
 
 def _is_numeric(annotation: object) -> bool:
