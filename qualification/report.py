@@ -130,14 +130,14 @@ def _verdict_table(record: Mapping[str, object], outcomes: Sequence[CellOutcome]
     for o in outcomes:
         thr, lat = o.deltas["throughput"], o.deltas["latency_p95"]
         lines.append(
-            f"| {o.cell} | {len(o.pairs)} | {[p.candidate.calls for p in o.pairs]} | "
+            f"| {_cell_text(o.cell)} | {len(o.pairs)} | {[p.candidate.calls for p in o.pairs]} | "
             f"{_fmt(thr.mean)} [{_fmt(thr.low)}, {_fmt(thr.high)}] | "
             f"{_fmt(lat.mean)} [{_fmt(lat.low)}, {_fmt(lat.high)}] | "
             f"{'pass' if o.gates_passed else 'FAIL'} | **{o.label}** |"
         )
     blocked = record.get("blocked_cells")
     for name in blocked if isinstance(blocked, list) else []:
-        lines.append(f"| {name} | 0 | - | - | - | - | blocked |")
+        lines.append(f"| {_cell_text(name)} | 0 | - | - | - | - | blocked |")
     return lines
 
 
@@ -168,7 +168,7 @@ def _raw_table(outcomes: Sequence[CellOutcome]) -> list[str]:
                 c = a.counters or {}
                 counters = "/".join(str(c.get(k, "-")) for k in _COUNTER_KEYS)
                 lines.append(
-                    f"| {o.cell} | {p.repetition} | {p.first} | {a.arm} | "
+                    f"| {_cell_text(o.cell)} | {p.repetition} | {p.first} | {a.arm} | "
                     f"{_fmt(a.throughput, '.2f')} | "
                     f"{_fmt(a.ttft_p50, '.3f')}/{_fmt(a.ttft_p95, '.3f')} | "
                     f"{_fmt(a.latency_p50, '.3f')}/{_fmt(a.latency_p95, '.3f')} | "
@@ -199,6 +199,8 @@ def procedure_notes(outcomes: Sequence[CellOutcome]) -> list[str]:
 
 
 def _cell_text(value: object) -> str:
+    # A profile may name a cell with a "|" (any printable directory name); unescaped, it
+    # would split that row of every table.
     return str(value).replace("|", "\\|")
 
 
@@ -209,9 +211,8 @@ def _procedure_row(cell: str, rep: int, a: ArmResult) -> str:
         shot = f"{snap.get('status')}" + (f": {snap['detail']}" if snap.get("detail") else "")
     carried = f"{env.get('status')}" if isinstance(env, Mapping) else "-"
     where = f"{log.get('path')} ({log.get('bytes')} bytes)" if isinstance(log, Mapping) else "-"
-    return (
-        f"| {cell} | {rep} | {a.arm} | {_cell_text(shot)} | {carried} | {_cell_text(where)} |"
-    )
+    return (f"| {_cell_text(cell)} | {rep} | {a.arm} | {_cell_text(shot)} | {carried} "
+            f"| {_cell_text(where)} |")
 
 
 def _procedure_section(outcomes: Sequence[CellOutcome]) -> list[str]:
@@ -256,8 +257,9 @@ def _counter_totals(outcomes: Sequence[CellOutcome]) -> list[str]:
         base = _total([p.baseline.preemptions for p in o.pairs])
         cand = _total([p.candidate.preemptions for p in o.pairs])
         lines.append(
-            f"| {o.cell} | {count('calls')} / {count('selections')} / {count('abstentions')} "
-            f"| {count('failures')} / {count('invalid_selections')} | {base} / {cand} |"
+            f"| {_cell_text(o.cell)} | {count('calls')} / {count('selections')} / "
+            f"{count('abstentions')} | {count('failures')} / {count('invalid_selections')} "
+            f"| {base} / {cand} |"
         )
     return lines
 
@@ -273,7 +275,7 @@ def _delta_table(outcomes: Sequence[CellOutcome]) -> list[str]:
         for metric, s in o.deltas.items():
             per_repeat = ", ".join(_fmt(d) for d in s.deltas) or "-"
             lines.append(
-                f"| {o.cell} | {metric} | {s.n} | {_fmt(s.mean)} | "
+                f"| {_cell_text(o.cell)} | {metric} | {s.n} | {_fmt(s.mean)} | "
                 f"[{_fmt(s.low)}, {_fmt(s.high)}] | {per_repeat} |"
             )
     return lines

@@ -256,3 +256,17 @@ def test_one_decision_queries_kvcached_once(kv: FakeKvcached) -> None:
     kv.registry.pools.clear()
     assert PolicySchedulerMixin._host_facts(
         host, request, 0).in_shrink is False  # type: ignore[arg-type]
+
+
+def test_pages_released_reads_odd_ids_and_occupancy_as_no_facts(
+    kv: FakeKvcached, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The observer never breaks victim selection: a block id that is not an integer, or an
+    occupancy kvcached reports as something other than a count, gives ``None`` (no facts),
+    not an exception out of the policy's scoring."""
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))
+    assert pool.alloc(16) is not None
+    assert signals.pages_released(range(16)) == 1
+    assert signals.pages_released(["block-3"]) is None  # type: ignore[list-item]
+    monkeypatch.setattr(pool, "get_page_occupancy", lambda pages: {p: "full" for p in pages})
+    assert signals.pages_released(range(16)) is None

@@ -74,3 +74,40 @@ def test_a_second_run_replaces_both(tmp_path: Path) -> None:
     assert (tmp_path / "record.json").read_text() == '{\n  "run": 2\n}\n'
     assert "(PASSED)" in first and "(FAILED)" in (tmp_path / "report.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "report.md"]
+
+
+def test_a_cell_name_with_a_pipe_keeps_every_table_row_whole(tmp_path: Path) -> None:
+    """A cell may be named with a "|" (any printable directory name): every table of
+    report.md escapes it, so each row has as many columns as its table's header."""
+    import re
+
+    from qualification.verdict import ArmResult, Pair, evaluate_cell
+
+    def arm(name: str, throughput: float) -> ArmResult:
+        counters = {"calls": 3, "selections": 1, "abstentions": 2, "failures": 0,
+                    "invalid_selections": 0}
+        return ArmResult(arm=name, throughput=throughput, latency_p95=1.0, ttft_p50=0.1,
+                         ttft_p95=0.2, latency_p50=0.5, requests=4, completed=4,
+                         counters=counters, policy_enabled=name == "candidate",
+                         short_hash="abc", preemptions=2)
+
+    pairs = [Pair("a|b", r, "baseline", arm("baseline", 100.0), arm("candidate", 101.0 + r))
+             for r in range(3)]
+    outcome = evaluate_cell("a|b", pairs, cancel_bound_s=None, tensor_parallel_size=1)
+    record = build_record(load_profile(str(PROFILE_DIR / "cuda.toml")), [outcome], 3)
+    record["gate"] = {"passed": False}
+    record["blocked_cells"] = ["c|d"]
+    write_markdown(tmp_path / "report.md", record, [outcome])
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    tables: list[list[int]] = [[]]
+    for line in lines:
+        if line.startswith("|"):
+            tables[-1].append(len(re.findall(r"(?<!\\)\|", line)))
+        elif tables[-1]:
+            tables.append([])
+    tables = [t for t in tables if t]
+    assert len(tables) >= 4
+    for columns in tables:
+        assert set(columns) == {columns[0]}, columns
+    assert sum(line.startswith("| a\\|b |") for line in lines) >= 4
+    assert "| c\\|d | 0 |" in "\n".join(lines)

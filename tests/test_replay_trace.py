@@ -232,6 +232,18 @@ def test_equal_mooncake_timestamps_are_sorted(tmp_path: Path) -> None:
     assert first.arrival == second.arrival == 0.0
 
 
+def test_a_broken_mooncake_row_names_its_file_line_and_column_only(tmp_path: Path) -> None:
+    """A row that is not valid JSON is named by the file's line and the column in it; the
+    row's own line count (its line break made it read "line 2" on any line) is not shown."""
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+    path = _write(tmp_path, "m.jsonl", good * 2 + '{"timestamp": 1, \n' + good)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert str(info.value) == (
+        f"{path}:3: not valid JSON (column 19: Expecting property name enclosed in double quotes)"
+    )
+
+
 def test_a_long_bad_value_is_shown_cut(tmp_path: Path) -> None:
     value = "x" * 5000
     path = _write(tmp_path, "m.jsonl", '{"timestamp": 0, "input_length": "' + value

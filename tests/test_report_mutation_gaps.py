@@ -288,3 +288,9 @@ def test_sink_appends_sorted_compact_lines(tmp_path: Path) -> None:
     assert [json.loads(line)["event"] for line in lines] == ["initialized", "effective"]
     for line in lines:
         assert line == json.dumps(json.loads(line), separators=(",", ":"), sort_keys=True)
+
+
+def test_a_latency_that_rounds_to_a_second_reads_in_seconds() -> None:
+    """0.9996 s rounds to a second: it reads "1.00s", never "1000ms"; 0.9994 s is "999ms"."""
+    assert _data_row(format_table([_arm("edge", 0.9996)], {}), "edge").split()[3] == "1.00s"
+    assert _data_row(format_table([_arm("below", 0.9994)], {}), "below").split()[3] == "999ms"

@@ -600,7 +600,8 @@ def write_section(suite: str, text: str) -> None:
         current += f"\n{begin}\n{end}\n"
     head, _, rest = current.partition(begin)
     _, _, tail = rest.partition(end)
-    readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
+    # Atomic: the README holds every measured table; a crash mid-write must not truncate it.
+    write_atomic(readme, f"{head}{begin}\n{text}{end}{tail}".encode())
 
 
 def main() -> int:

@@ -269,8 +269,8 @@ def pages_released(block_ids: Iterable[int], group_id: int = 0) -> int | None:
     kvcached's, which the vLLM integration keeps equal to vLLM's ``KVCacheBlock.block_id``.
     ``None`` when kvcached is not active here or the pool cannot report page occupancy.
     """
-    ids = [int(b) for b in block_ids]
     try:
+        ids = [int(b) for b in block_ids]
         manager = next((m for m in _managers() if _int(m, "group_id") == group_id), None)
         if manager is None:
             return None
@@ -283,8 +283,12 @@ def pages_released(block_ids: Iterable[int], group_id: int = 0) -> int | None:
             return 0
         by_page: Mapping[int, list[int]] = group(ids, int(manager.block_mem_size))
         occupancy: Mapping[int, int] = occupancy_fn(list(by_page))
-    except Exception:  # never let an observer break victim selection
-        return None
+        return _emptied(by_page, occupancy)
+    except Exception:  # never let an observer break victim selection (kvcached's answers
+        return None    # included: an odd page map or occupancy value reads as "no facts")
+
+
+def _emptied(by_page: Mapping[int, list[int]], occupancy: Mapping[int, int]) -> int:
     released = 0
     for page_id, members in by_page.items():
         live = int(occupancy.get(page_id, 0))

@@ -27,9 +27,17 @@ class JsonTextError(ValueError):
     value as a plain string must still refuse the latter.
     """
 
-    def __init__(self, reason: str, *, syntax: bool) -> None:
+    def __init__(self, reason: str, *, syntax: bool, in_line: str | None = None) -> None:
         super().__init__(reason)
         self.syntax = syntax
+        self._in_line = in_line
+
+    def in_line(self) -> str:
+        """The reason for text that is one line of a file (a Mooncake trace row): only the
+        column, which is where in that line the parser stopped. The row's own line and
+        column count from its start, and its line break made them read "line 2, column 1"
+        on a file line that is not line 2."""
+        return self._in_line or str(self)
 
 
 def loads(text: str | bytes, **options: Any) -> Any:
@@ -43,7 +51,8 @@ def loads(text: str | bytes, **options: Any) -> Any:
         return json.loads(text, **options)
     except json.JSONDecodeError as exc:
         raise JsonTextError(f"not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                            f"{exc.msg})", syntax=True) from None
+                            f"{exc.msg})", syntax=True,
+                            in_line=f"not valid JSON (column {exc.pos + 1}: {exc.msg})") from None
     except RecursionError:
         raise JsonTextError("JSON nested too deeply", syntax=False) from None
     except ValueError as exc:

@@ -53,7 +53,8 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
 def _seconds(value: object) -> str:
     if not isinstance(value, float) or math.isnan(value):
         return "-"
-    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+    # Below 0.9995 s: from there ms would round up to "1000ms" rather than read "1.00s".
+    return f"{value * 1000:.0f}ms" if value < 0.9995 else f"{value:.2f}s"
 
 
 def _row(arm: Mapping[str, Any], speed: float | None) -> list[str]:

@@ -207,7 +207,7 @@ def _json_line(path: Path, line: int, text: str) -> object:
     try:
         return jsontext.loads(text, object_pairs_hook=unique)
     except jsontext.JsonTextError as exc:
-        raise TraceError(f"{path}:{line}: {exc}") from None
+        raise TraceError(f"{path}:{line}: {exc.in_line()}") from None
 
 
 def _timestamp(path: Path, line: int, raw: object) -> float:
