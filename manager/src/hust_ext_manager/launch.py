@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -80,6 +81,23 @@ def _option_name(arg: str) -> str | None:
 _RENDERED_NAMES = RENDERED_OPTIONS | {"--additional-config", "--scheduler-cls"}
 
 
+# How argparse tells a value from an option: an argument starting with '-' is an option
+# unless it is '-' alone, a negative number or holds a space (vLLM has no numeric options).
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _separate_value(command: list[str], index: int) -> str | None:
+    """The value argparse gives an option from the argument at ``index``; ``None`` when
+    there is none or it is an option itself (``--opt --port 8000``, ``--opt --``): vLLM
+    then reports the value missing, and ``--port`` must stay an option here too."""
+    if index >= len(command):
+        return None
+    arg = command[index]
+    if arg.startswith("-") and arg != "-" and " " not in arg and not _NEGATIVE_NUMBER.match(arg):
+        return None
+    return arg
+
+
 def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None, bool]]:
     """Every ``--opt V`` or ``--opt=V`` (either spelling of the name's dashes, as vLLM
     accepts): (index, value or None if missing, inline form), in order.
@@ -97,8 +115,7 @@ def _occurrences(command: list[str], option: str) -> list[tuple[int, str | None,
             if "=" in arg:
                 found.append((index, arg.partition("=")[2], True))
             else:
-                value = command[index + 1] if index + 1 < len(command) else None
-                found.append((index, value, False))
+                found.append((index, _separate_value(command, index + 1), False))
         elif name is not None and name.startswith(option + "."):
             raise ValueError(
                 f"{arg.partition('=')[0]} cannot be merged with the extension's {option}: "
@@ -121,9 +138,9 @@ def has_option(command: list[str], option: str) -> bool:
 def without_option(command: list[str], option: str) -> list[str]:
     """``command`` with every occurrence of ``option`` and its value removed."""
     drop: set[int] = set()
-    for index, _, inline in _occurrences(command, option):
+    for index, value, inline in _occurrences(command, option):
         drop.add(index)
-        if not inline and index + 1 < len(command):
+        if not inline and value is not None:
             drop.add(index + 1)
     return [arg for index, arg in enumerate(command) if index not in drop]
 
@@ -266,7 +283,15 @@ def _same_value(existing: str, value: object, *, is_json: bool) -> bool:
 
 
 def merge_flag(command: list[str], flag: str) -> list[str]:
-    return command if flag in command else [*command, flag]
+    """Append ``flag`` unless the caller gave it (either spelling of its dashes).
+
+    vLLM's boolean options also take a ``--no-`` form, and the last one given wins: the
+    caller's ``--no-<flag>`` is a different value, so it is a conflict, never overridden.
+    """
+    negative = "--no-" + flag.removeprefix("--")
+    if _occurrences(command, negative):
+        raise ValueError(f"extension activation conflicts with {negative}")
+    return command if _occurrences(command, flag) else [*command, flag]
 
 
 # --- native manifests ---------------------------------------------------------------
