@@ -72,3 +72,27 @@ def test_run_refuses_to_override_the_callers_no_flag(
         "vllm-hust-ext: error: extension activation conflicts with "
         "--no-scheduler-reserve-output-budget"
     )
+
+
+@pytest.mark.parametrize("key", ["no-scheduler-reserve-output-budget",
+                                 "no_scheduler_reserve_output_budget"])
+def test_run_refuses_a_config_file_that_sets_the_no_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    key: str,
+) -> None:
+    """A ``--config`` YAML key ``no-<flag>: true`` is vLLM's ``--no-<flag>``, read before the
+    command line, where the rendered flag would reverse it: refused, naming it."""
+    site = fake_site(tmp_path, monkeypatch, ("VLLM_PLUGINS",))
+    install_bundles(site, {BUNDLE: BASE}, name="fake-flag")
+    state = {BUNDLE: {"enabled": True, "configuration": CONFIGURATION}}
+    (tmp_path / "config.json").write_text(
+        json.dumps({"schema_version": 2, "extensions": state})
+    )
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"{key}: true\n")
+    code, out, err = invoke(["run", "--dry-run", "--", "h", "--config", str(config)], capsys)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1].startswith(
+        f"vllm-hust-ext: error: --config {config} sets --no-scheduler-reserve-output-budget, "
+        "which the enabled extensions set too"
+    )

@@ -537,7 +537,9 @@ def _refuse_config_file_overlap(
         generated = plan_document["generated_config"]
         rendered.update(generated.get("vllm_json_options", {}))
         rendered.update(o for o in generated.get("vllm_options", {}) if o not in skip)
-        rendered.update(generated.get("vllm_flags", []))
+        flags = generated.get("vllm_flags", [])
+        # A file key "no-<flag>: true" is vLLM's --no-<flag>, which the flag would reverse.
+        rendered.update(flags, ("--no-" + flag.removeprefix("--") for flag in flags))
     both = sorted(rendered & from_file)
     if both:
         raise ValueError(
