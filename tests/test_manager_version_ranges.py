@@ -141,3 +141,24 @@ def test_a_host_api_range_naming_no_pre_release_refuses_one(
     )
     assert shown["states"] == ["installed", "discovered", "incompatible"]
     assert "host API 1.1rc1 is outside >=1,<2" in shown["evidence"]
+
+
+@pytest.mark.parametrize(
+    ("version", "spec", "inside"),
+    [
+        ("0.9rc2", "<=1.0rc1", True),  # "<=" names a pre-release, as packaging 24 reads it
+        ("1.0rc1", "~=1.0rc1", True),
+        ("1.0rc1", "===1.0rc1", True),
+        ("0.9rc2", "<1.0rc1", False),  # "<" and ">" never name one (packaging 24)
+        ("1.1rc1", ">1.0rc1", False),
+        ("1.0rc1", "<=1.0", False),
+    ],
+)
+def test_each_operator_names_a_pre_release_as_packaging_24_does(
+    version: str, spec: str, inside: bool
+) -> None:
+    """Which operators make a range name a pre-release: ``==``, ``>=``, ``<=``, ``~=`` and
+    ``===`` with a pre-release version do; ``<`` and ``>`` do not."""
+    from hust_ext_manager.provider import _in_range
+
+    assert _in_range(version, spec) is inside
