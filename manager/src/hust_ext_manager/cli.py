@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import shlex
 import signal
 import sys
@@ -699,14 +700,58 @@ def _extension(args: argparse.Namespace) -> None:
         _dump(_checked_environment())
 
 
+def _stdout_reader_left() -> bool:
+    """Whether standard output is a pipe whose reader went away (``... | head -1``): the
+    write end of such a pipe polls as an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real descriptor: not a pipe's end
+        return False
+
+
+def _end_for_a_reader_that_left() -> int:
+    """Stop as a pipeline's writer does when its reader is done: quietly, with the shell's
+    status for SIGPIPE. Standard output now points at /dev/null, so the interpreter's last
+    flush of what is still buffered cannot fail again on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _flush_stdout() -> None:
+    """Flush standard output while a broken pipe can still be told apart from an error."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_left():
+            raise
+        raise SystemExit(_end_for_a_reader_that_left()) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
+        _flush_stdout()  # --help and --version leave their text in the buffer
+        raise
     try:
         if args.command == "run":
-            return _run(args.argv, args.dry_run, args.shutdown_grace_seconds)
-        _extension(args)
-        return 0
+            code = _run(args.argv, args.dry_run, args.shutdown_grace_seconds)
+        else:
+            _extension(args)
+            code = 0
+        sys.stdout.flush()  # here, not at exit: a reader that left is found below
+        return code
+    except BrokenPipeError as error:
+        if not _stdout_reader_left():
+            parser.error(str(error))
+        # What was printed is complete up to where the reader stopped reading; any state
+        # change was saved before its line was printed.
+        return _end_for_a_reader_that_left()
     except (OSError, ValueError) as error:
         parser.error(str(error))
     except KeyboardInterrupt:
