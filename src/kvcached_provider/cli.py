@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import sys
 from collections.abc import Sequence
@@ -138,7 +140,7 @@ def _interrupted_status(interrupt: BaseException | None) -> int:
     return 128 + (signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
@@ -154,6 +156,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted_status(exc)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stdout_reader_left() -> bool:
+    """Whether standard output is a pipe whose reader went away (``... | head -1``): the
+    write end of such a pipe polls as an error. (The manager and qualification have their own
+    copy: the packages import nothing from one another.)"""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real descriptor: not a pipe's end
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; a reader that left the pipe ends it quietly, as a pipeline's writer
+    ends, with the shell's status for SIGPIPE (no traceback, no "Exception ignored")."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a broken pipe can still be told apart
+    except BrokenPipeError:
+        if not _stdout_reader_left():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so the exit's last flush cannot fail
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
