@@ -1,8 +1,8 @@
-"""``kvcached-provider`` and ``python -m qualification`` writing into a pipe whose reader
-has gone (``... | head -1``).
+"""``kvcached-provider``, ``python -m qualification`` and ``bidkv-replay`` writing into a
+pipe whose reader has gone (``... | head -1``).
 
-Guarded: each stops as a pipeline's writer does, quietly and with the shell's status for
-SIGPIPE (141). Before, ``qualification profiles`` ended in a BrokenPipeError traceback with
+Guarded: the first two stop as a pipeline's writer does, quietly and with the shell's
+status for SIGPIPE (141); the replay stops printing but still writes its report files. Before, ``qualification profiles`` ended in a BrokenPipeError traceback with
 unbuffered output, and ``--help`` of either in Python's "Exception ignored ...
 BrokenPipeError" (exit 120) with buffered output. The manager's own case is
 tests/test_manager_closed_stdout.py. Real subprocesses, whose standard output is a pipe
@@ -49,3 +49,20 @@ def test_help_into_a_closed_pipe(command: list[str]) -> None:
     the failed write and exits 0.)"""
     assert _run_into_closed_pipe([*command, "--help"], buffered=True) == (141, "")
     assert _run_into_closed_pipe([*command, "--help"], buffered=False) == (0, "")
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_a_replay_into_a_closed_pipe_still_writes_its_reports(
+    tmp_path: Path, buffered: bool
+) -> None:
+    """``bidkv-replay ... | head``: the reader leaving does not cost the report files still
+    to be written (before, with unbuffered output, a BrokenPipeError traceback ended the
+    run before any file was written), and nothing about the pipe reaches stderr."""
+    out = tmp_path / "out"
+    code, err = _run_into_closed_pipe(
+        [sys.executable, "-m", "bidkv_ext.replay.cli", "--policies", "builtin",
+         "--max-requests", "3", "--num-gpu-blocks", "400", "--no-progress", "--no-plots",
+         "--output-dir", str(out)], buffered=buffered)
+    assert code == 0, err
+    assert "BrokenPipe" not in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "timing.json"]

@@ -544,6 +544,18 @@ def _replay_all(
     return done
 
 
+def _say(text: str) -> None:
+    """Print results on stdout. A reader that left the pipe (``bidkv-replay | head``) must
+    not cost the report files still to be written: output stops there, and the run goes on
+    (flushed now, so a buffered stdout cannot fail instead at exit)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _write_outputs(
     args: argparse.Namespace,
     document: dict[str, Any],
@@ -563,10 +575,10 @@ def _write_outputs(
 
     results: list[dict[str, object]] = document["arms"]
     # The table first: if a file cannot be written after all, the results are on stdout.
-    print(format_table(results, speeds))
+    _say(format_table(results, speeds))
     capacity_table = format_capacity_table(results)
     if capacity_table:
-        print(capacity_table)
+        _say(capacity_table)
     out: Path = args.output_dir
     timing = {"wall_seconds": walls, "simulated_seconds_per_wall_second": speeds}
     writers: list[tuple[Path, Callable[[], None]]] = [
@@ -579,7 +591,7 @@ def _write_outputs(
     if not args.no_plots:
         writers.append((out, lambda: write_plots(out, ttfts, results)))
     _write_all(writers)
-    print(f"outputs: {out}/ ({', '.join(_output_names(args))})")
+    _say(f"outputs: {out}/ ({', '.join(_output_names(args))})")
     broken = [r["label"] for r in results if not _conserved(r)]
     if broken:
         print(f"bidkv-replay: error: conservation violated for {', '.join(map(str, broken))}",
