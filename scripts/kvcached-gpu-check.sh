@@ -10,6 +10,9 @@
 # (pass '' for none, to give PYTEST ARGS without wheels).
 # Nothing is installed into the machine's Python.
 set -euo pipefail
+# An exported CDPATH would send a relative cd elsewhere and make it print the directory,
+# which $(cd ... && pwd) would then capture as a second line of SDIST.
+unset CDPATH
 # Relative arguments name paths from where the script was called, not from the repo root.
 SDIST=$(cd "${1:?usage: kvcached-gpu-check.sh KVCACHED_SDIST_DIR [WHEEL_DIR] [PYTEST ARGS...]}" && pwd)
 WHEELS=${2:+$(cd "$2" && pwd)}

@@ -14,6 +14,9 @@
 #
 # Usage: scripts/peer_suite.sh [extra pytest args]    (BIDKV_VENV overrides .venv)
 set -euo pipefail
+# An exported CDPATH would send a relative cd elsewhere and make it print the directory,
+# which $(cd ... && pwd) would then capture as a second line of ROOT.
+unset CDPATH
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${BIDKV_VENV:-$ROOT/.venv}
 # A relative BIDKV_VENV is taken from the repository root, as setup.sh and test.sh take it.
@@ -32,8 +35,11 @@ mkdir -p "$CACHE"
 
 obtain_sdist() {
   local tools="$CACHE/build-tools" dl="$CACHE/download"
-  if [ ! -x "$tools/bin/pip" ]; then
+  # The stamp is written last: tools left half-built by a failed or interrupted install
+  # (pip there, setuptools-rust or the .pth not) are rebuilt, not reused.
+  if [ ! -f "$tools/complete" ]; then
     echo "peer_suite: creating build-tools venv in $tools"
+    rm -rf "$tools"
     "$("$PY" -c 'import sys; print(sys.base_prefix)')/bin/python3" -m venv "$tools"
     "$tools/bin/pip" install -q 'setuptools>=77,<81' setuptools-rust setuptools-scm wheel \
       cmake ninja jinja2
@@ -43,6 +49,7 @@ obtain_sdist() {
     own=$("$tools/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
     main=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
     echo "$main" > "$own/_bidkv_project_venv.pth"
+    touch "$tools/complete"
   fi
   echo "peer_suite: downloading the vLLM $VERSION sdist (47 MB)"
   rm -rf "$dl" && mkdir -p "$dl"

@@ -10,6 +10,9 @@
 # python3); BIDKV_VENV moves it (default .venv; a relative path is taken from the repository
 # root). Running it again reuses a complete environment (pip skips what is installed).
 set -euo pipefail
+# A PYTHON path is a file named from where the command was typed; a bare name stays a PATH
+# lookup. Resolved before the cd below, which would otherwise take it from the root.
+case ${PYTHON:-} in /*|'') ;; */*) PYTHON=$PWD/$PYTHON ;; esac
 CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
 # Absolute from here on: a message saying what to remove must not name another directory

@@ -4,6 +4,9 @@
 set -euo pipefail
 CDPATH='' cd -- "$(dirname -- "$0")/.."
 VENV=${BIDKV_VENV:-.venv}
+# Absolute, as in setup.sh: a message saying what to remove must not name another directory
+# when read from where the command was typed.
+case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac
 [ -x "$VENV/bin/python" ] \
     || { echo "test: no virtual environment at $VENV; run bash scripts/setup.sh first" >&2; exit 1; }
 "$VENV/bin/python" -c 'import sys, ruff, mypy, pytest; sys.exit(sys.version_info[:2] != (3, 11))' \

@@ -105,3 +105,40 @@ def test_manifest_component_points_at_a_real_policy_class() -> None:
     assert isinstance(BidkvPreemptionPolicy(), PreemptionPolicy)
     env = manifest["activation"]["environment"]
     assert env["BIDKV_UTILITY_ENABLE"] == "1" and env["BIDKV_UTILITY_STRATEGY"] == "bidkv"
+
+
+BUILD_METADATA = r"""
+import sys, warnings
+from setuptools import build_meta
+from setuptools.warnings import SetuptoolsDeprecationWarning
+warnings.simplefilter("error", SetuptoolsDeprecationWarning)
+print(build_meta.prepare_metadata_for_build_wheel(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("project", [".", "manager"])
+def test_build_uses_no_deprecated_setuptools_configuration(
+    project: str, tmp_path: Path
+) -> None:
+    """setup.sh builds both projects with whatever setuptools the index offers (build
+    isolation): a configuration setuptools has deprecated (the ``license`` table, refused
+    from 2027-02-18) would break a fresh set-up on that release. Built in a copy: the
+    metadata build writes an ``.egg-info`` where it runs."""
+    import shutil
+
+    source, copy = ROOT / project, tmp_path / "project"
+    copy.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        if (source / name).exists():
+            shutil.copy2(source / name, copy / name)
+    for tree in ("src", "manifests"):
+        if (source / tree).is_dir():
+            shutil.copytree(source / tree, copy / tree,
+                            ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    out = tmp_path / "metadata"
+    out.mkdir()
+    result = subprocess.run([sys.executable, "-c", BUILD_METADATA, str(out)], cwd=copy,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    metadata = (out / result.stdout.split()[-1] / "METADATA").read_text(encoding="utf-8")
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()

@@ -13,7 +13,11 @@ whose ``bin/python`` logs each call and can be told to fail one. Guarded:
 - set-up refuses, in one ``setup:`` line and before creating anything, a Python that is not
   3.11 or is missing; and refuses a half-built venv or one made by another Python;
 - ``test.sh`` runs the linters through the venv's python (a moved venv's scripts keep a
-  stale interpreter path) and says in one line that set-up comes first when there is no venv.
+  stale interpreter path) and says in one line that set-up comes first when there is no venv;
+- a relative ``PYTHON`` path is taken from where the command was typed, a relative
+  ``BIDKV_VENV`` from the root, and both scripts name the venv by its absolute path;
+- the developer scripts beside them (``peer_suite.sh``, ``kvcached-gpu-check.sh``) survive
+  an exported ``CDPATH``, and the peer suite rebuilds build tools left half-built.
 """
 
 from __future__ import annotations
@@ -301,3 +305,108 @@ def test_ci_runs_setup_then_tests_and_stops_at_a_failure(tree: Path) -> None:
     proc, calls = _run(tree, ".ci/run", STUB_FAIL=EXPECTED_SETUP[3])
     assert proc.returncode != 0
     assert not any("ruff" in args or "pytest" in args for _, args in calls)
+
+
+def test_a_relative_python_path_is_taken_from_where_the_command_was_typed(
+        tree: Path) -> None:
+    """``PYTHON=py/python3.11`` names a file from the caller's directory (setup.sh used to
+    look it up from the repository root after its cd, and call an existing one "not
+    found"); a bare name is still looked up on PATH."""
+    _executable(tree.parent / "py" / "python-x", "#!/bin/sh\necho 3.12\n")
+    venv = tree.parent / "new venv"
+    proc, calls = _run(tree, "scripts/setup.sh", BIDKV_VENV=str(venv), PYTHON="py/python-x")
+    assert proc.returncode == 1 and calls == [] and not venv.exists()
+    assert f"tried {tree.parent / 'py' / 'python-x'}: 3.12" in proc.stderr, proc.stderr
+
+
+def test_test_sh_names_a_relative_venv_by_its_absolute_path(tree: Path) -> None:
+    """As in setup.sh: test.sh's "remove it" must name the venv it checked (from the
+    repository root), not a directory of that name where the command was typed."""
+    shutil.copytree(tree.parent / "stub venv", tree / "half")
+    proc, _ = _run(tree, "scripts/test.sh", BIDKV_VENV="half", STUB_FAIL=EXPECTED_TEST[0])
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"test: {tree / 'half'} is not a complete set-up"), \
+        proc.stderr
+    proc, _ = _run(tree, "scripts/test.sh", BIDKV_VENV="absent")
+    assert proc.stderr.startswith(f"test: no virtual environment at {tree / 'absent'};")
+
+
+# The developer scripts beside the two commands: the same stub python, which for the peer
+# suite's result reader ("-") prints a "passed failed skipped errors total" line.
+PEER_STUB = STUB_PYTHON.replace('[ "${1:-}" = - ] && cat >/dev/null',
+                                '[ "${1:-}" = - ] && cat >/dev/null && echo "1 0 0 0 1"')
+
+
+def _dev_script(tree: Path, rel: str) -> None:
+    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / rel, tree / rel)
+
+
+def test_peer_suite_ignores_an_exported_cdpath(tree: Path) -> None:
+    """With CDPATH exported (e.g. ``.:~/src``) a relative cd prints where it went, and
+    ``ROOT=$(cd ... && pwd)`` held two lines: the peer suite refused a venv it had."""
+    _dev_script(tree, "scripts/peer_suite.sh")
+    _executable(tree / "venv" / "bin" / "python", PEER_STUB)
+    cache = tree.parent / "peer cache"
+    src = cache / "vllm-0.33.0"
+    (src / "tests" / "v1" / "core").mkdir(parents=True)  # the sdist's tests, obtained before
+    decoy = tree.parent / "decoy"
+    (decoy / "scripts").mkdir(parents=True)
+    proc, calls = _run(tree, "scripts/peer_suite.sh", cwd=tree, CDPATH=f".:{decoy}",
+                       BIDKV_VENV="venv", BIDKV_PEER_CACHE=str(cache))
+    assert proc.returncode == 0, proc.stderr
+    pytest_runs = [cwd for cwd, args in calls if args.startswith("-m pytest")]
+    assert pytest_runs == [str(src)] * 4
+
+
+def test_kvcached_gpu_check_ignores_an_exported_cdpath(tree: Path) -> None:
+    """A relative KVCACHED_SDIST_DIR under an exported CDPATH with "." became two lines
+    (cd printed the directory), and building the extension failed to cd there."""
+    _dev_script(tree, "scripts/kvcached-gpu-check.sh")
+    (tree.parent / "sdist").mkdir()
+    # Its smoke test is a two-line -c: logged on one line.
+    python = tree.parent / "gpu" / "python"
+    _executable(python, STUB_PYTHON.replace('line="$*"', """line=$(echo "$*" | tr '\\n' ' ')"""))
+    proc, calls = _run(tree, "scripts/kvcached-gpu-check.sh", "sdist", CDPATH=".",
+                       PYTHON=str(python))
+    assert proc.returncode == 0, proc.stderr
+    (build,) = [cwd for cwd, args in calls if "build_ext" in args]
+    assert build == str(tree.parent / "sdist")
+    assert [cwd for cwd, args in calls if args.startswith("-m pytest")] == [str(tree)]
+
+
+# The peer suite's build tools: the base python makes a venv of stubs; that venv's pip logs,
+# and `pip download` fails so that the run stops before touching the network.
+TOOLS_STUB = """#!/bin/sh
+line="$*"
+printf '%s|%s\\n' "$PWD" "$line" >> "$STUB_LOG"
+case $line in
+    *base_prefix*) echo "$STUB_BASE" ;;
+    *sysconfig*) mkdir -p "$STUB_BASE/purelib"; echo "$STUB_BASE/purelib" ;;
+    "-m venv "*) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/pip" ;;
+    download*) exit 7 ;;
+esac
+exit 0
+"""
+
+
+def test_peer_suite_rebuilds_half_built_build_tools(tree: Path) -> None:
+    """A build-tools venv whose pip install failed or was interrupted has a bin/pip but no
+    setuptools-rust: it was reused as it was, and every later run failed to build vLLM's
+    sdist metadata. Only tools that finished (their stamp) are reused."""
+    _dev_script(tree, "scripts/peer_suite.sh")
+    base = tree.parent / "base"
+    _executable(base / "bin" / "python3", TOOLS_STUB)
+    _executable(tree / "venv" / "bin" / "python", TOOLS_STUB)
+    cache = tree.parent / "peer cache"
+    _executable(cache / "build-tools" / "bin" / "pip", TOOLS_STUB)  # a venv left half-built
+    proc, calls = _run(tree, "scripts/peer_suite.sh", BIDKV_VENV="venv",
+                       BIDKV_PEER_CACHE=str(cache), STUB_BASE=str(base))
+    assert proc.returncode == 7, proc.stderr  # the stubbed download
+    steps = [args.split(" ", 2)[:2] for _, args in calls]
+    assert ["install", "-q"] in steps, steps
+    assert (cache / "build-tools" / "complete").exists()
+    assert (base / "purelib" / "_bidkv_project_venv.pth").exists()
+    proc, calls = _run(tree, "scripts/peer_suite.sh", BIDKV_VENV="venv",
+                       BIDKV_PEER_CACHE=str(cache), STUB_BASE=str(base))
+    assert proc.returncode == 7 and not any(a.startswith("install") for _, a in calls)
