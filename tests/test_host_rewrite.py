@@ -187,6 +187,78 @@ def _remove_priority_branch(tree: ast.Module) -> None:
     choice.test = ast.parse("self.policy == SchedulingPolicy.FCFS", mode="eval").body
 
 
+def _schedule_def(tree: ast.Module) -> ast.FunctionDef:
+    func = tree.body[0]
+    assert isinstance(func, ast.FunctionDef) and func.name == "schedule"
+    return func
+
+
+def _retry_loop_calls(tree: ast.Module, method: str) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == method
+        and any(isinstance(a, ast.Name) and a.id in ("num_new_tokens", "preempted_req")
+                for a in n.args)
+    ]
+
+
+def _decorate(tree: ast.Module) -> None:
+    _schedule_def(tree).decorator_list.append(ast.Name(id="staticmethod", ctx=ast.Load()))
+
+
+def _drop_required_local(tree: ast.Module) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "preempted_reqs":
+            node.id = "victims"
+
+
+def _loop_while_one(tree: ast.Module) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.While) and isinstance(node.test, ast.Constant):
+            node.test = ast.Constant(value=1)
+
+
+def _allocate_other_count(tree: ast.Module) -> None:
+    (call,) = _retry_loop_calls(tree, "allocate_slots")
+    call.args[1] = ast.parse("num_new_tokens + 1", mode="eval").body
+
+
+def _choose_by_min(tree: ast.Module) -> None:
+    choice = _priority_ifs(tree)[0]
+    choice.body[0].value.func.id = "min"  # type: ignore[attr-defined]
+
+
+def _choose_second_to_last(tree: ast.Module) -> None:
+    choice = _priority_ifs(tree)[0]
+    choice.orelse[0].value = ast.parse("self.running[-2]", mode="eval").body  # type: ignore[attr-defined]
+
+
+def _compare_not_equal(tree: ast.Module) -> None:
+    _priority_ifs(tree)[0].test.ops = [ast.NotEq()]  # type: ignore[attr-defined]
+
+
+def _index_of_requester(tree: ast.Module) -> None:
+    removal = _priority_ifs(tree)[1]
+    removal.body[0].value.args[0].id = "request"  # type: ignore[attr-defined]
+
+
+def _pop_instead_of_del(tree: ast.Module) -> None:
+    removal = _priority_ifs(tree)[1]
+    removal.body = [
+        ast.parse("self.running.pop(victim_index)").body[0]
+        if isinstance(stmt, ast.Delete) else stmt
+        for stmt in removal.body
+    ]
+
+
+def _preempt_with_other_time(tree: ast.Module) -> None:
+    (call,) = _retry_loop_calls(tree, "_preempt_request")
+    call.args[1] = ast.parse("time.monotonic()", mode="eval").body
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -195,6 +267,17 @@ def _remove_priority_branch(tree: ast.Module) -> None:
         (_rename_block, r"statement 'with record_function_or_nullcontext"),
         (_drop_rollback_name, r"rollback .* does not use input_budget"),
         (_remove_priority_branch, r"expected two statements 'if self\.policy == .*found 1"),
+        (_decorate, r"statement 'def schedule' is decorated"),
+        (_drop_required_local, r"local name\(s\) preempted_reqs not used in schedule"),
+        (_loop_while_one, r"one statement 'while True' in the allocate_slots block, found 0"),
+        (_allocate_other_count, r"statement 'self\.kv_cache_manager\.allocate_slots\(request, "),
+        (_choose_by_min, r"victim choice statement 'preempted_req = max\(self\.running"),
+        (_choose_second_to_last, r"victim choice statement .*self\.running\[-1\]"),
+        (_compare_not_equal, r"expected two statements 'if self\.policy == .*found 1"),
+        (_index_of_requester, r"removal statement 'victim_index = self\.running\.index"),
+        (_pop_instead_of_del, r"removal statement 'victim_index = self\.running\.index"),
+        (_preempt_with_other_time,
+         r"statement 'self\._preempt_request\(preempted_req, scheduled_timestamp"),
     ],
 )
 def test_non_matching_shape_names_the_statement(
@@ -203,6 +286,8 @@ def test_non_matching_shape_names_the_statement(
     mutate: Callable[[ast.Module], None],
     message: str,
 ) -> None:
+    """Each shape the splice relies on is checked: a source that differs in any one of them
+    is refused at class creation naming the statement, never rewritten wrongly."""
     tree = schedule_tree()
     mutate(tree)
     with pytest.raises(rewrite.UnsupportedHostError, match=message) as info:
