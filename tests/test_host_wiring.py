@@ -150,3 +150,22 @@ def test_evidence_written_and_shutdown_reports_effective(
     lines = [json.loads(line) for line in evidence.read_text().splitlines()]
     assert [line["event"] for line in lines] == ["initialized", "effective", "effective"]
     assert lines[-1]["stats"]["calls"] == scheduler.controller.export_stats()["calls"] > 0
+
+
+def test_a_diffusion_model_is_refused_not_given_the_autoregressive_scheduler(
+    vllm_offline: ModuleType,
+) -> None:
+    """vLLM picks its DiffusionScheduler only when no scheduler_cls is named; the adapter
+    would silently replace it, so a diffusion config is refused in one line naming why."""
+    from vllm.config.diffusion import DiffusionConfig
+
+    from bidkv_ext.hosts.vllm import select_scheduler_cls
+
+    vllm_config, _ = vllm_offline.build_vllm_config(num_gpu_blocks=16)
+    object.__setattr__(vllm_config, "diffusion_config", DiffusionConfig(canvas_length=8))
+    with pytest.raises(ValueError) as refused:
+        select_scheduler_cls(vllm_config)
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith(
+        "the stock-vLLM policy adapter does not support diffusion language models"
+    )

@@ -283,7 +283,18 @@ class PolicyAsyncScheduler(PolicySchedulerMixin, AsyncScheduler):
 
 
 def select_scheduler_cls(vllm_config: VllmConfig) -> type[Scheduler]:
-    """``PolicyAsyncScheduler`` when async scheduling is on, else ``PolicyScheduler``."""
+    """``PolicyAsyncScheduler`` when async scheduling is on, else ``PolicyScheduler``.
+
+    Refuses a diffusion language model: vLLM gives those its DiffusionScheduler only when
+    no ``scheduler_cls`` is named, so ours would replace it and silently drop its
+    block-wise draft handling (the adapter rewrites only the autoregressive Scheduler).
+    """
+    if getattr(vllm_config, "diffusion_config", None) is not None:
+        raise ValueError(
+            "the stock-vLLM policy adapter does not support diffusion language models "
+            "(diffusion_config is set): vLLM runs them with its DiffusionScheduler, which "
+            "--scheduler-cls would replace; serve this model without the adapter"
+        )
     if vllm_config.scheduler_config.async_scheduling:
         return PolicyAsyncScheduler
     return PolicyScheduler
