@@ -10,6 +10,7 @@ declare ``host_version`` / ``host_api_version`` / ``protocol_versions`` instead.
 
 from __future__ import annotations
 
+import http.client
 import importlib.metadata
 import inspect
 import json
@@ -117,6 +118,22 @@ def host_has_preemption_contract(host_name: str = "vllm") -> bool:
         # §8), as on any host without it.
         return False
     return any(file_exists(root / CONTRACT_FILE) for root in roots)
+
+
+def _installed_version(host_name: str) -> str | None:
+    """The installed host distribution's version; None when it is not installed or its
+    METADATA has no Version field (importlib then gives None despite its annotation)."""
+    dist = _host_distribution(host_name)
+    if dist is None:
+        return None
+    try:
+        version = dist.version
+    except (OSError, ValueError) as error:  # undecodable METADATA (UnicodeDecodeError)
+        raise ValueError(
+            f"host distribution {host_name!r} METADATA cannot be read, so its version is "
+            f"unknown: reinstall {host_name}"
+        ) from error
+    return version if isinstance(version, str) else None
 
 
 def _detected_protocols(host_name: str) -> dict[str, str]:
@@ -233,8 +250,7 @@ def _host_step(manifest: Manifest, configuration: Mapping[str, Any]) -> tuple[bo
     host = manifest.host
     version = _optional_string(configuration, "host_version")
     if version is None:
-        dist = _host_distribution(host.name)
-        version = None if dist is None else dist.version
+        version = _installed_version(host.name)
     if version is None:
         return None, "host version is unavailable; compatibility is unverified"
     if not _in_range(version, host.version_range):
@@ -363,18 +379,28 @@ def service_health(
 def _probe(url: str) -> tuple[bool, bool, str]:
     """(reachable, healthy, finding) for one health endpoint: an HTTP(S) GET, 2 s.
 
-    A server that answers with an error status is reachable but unhealthy; an endpoint that
-    is not an http(s) URL has no health to read, so it counts as unreachable.
+    A server that answers with an error status, or with something that is not HTTP (the
+    port of a service's own protocol), is reachable but unhealthy; an endpoint that is not
+    an http(s) URL, or not a valid one, has no health to read, so it counts as unreachable.
     """
-    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError as error:  # e.g. an unclosed IPv6 bracket: "http://[::1"
+        return False, False, f"unreachable: the endpoint is not a valid URL ({error})"
+    if scheme not in ("http", "https"):
         return False, False, "unreachable: the endpoint must be an http:// or https:// URL"
     try:
         with urllib.request.urlopen(url, timeout=2.0) as response:
             status = response.status
     except urllib.error.HTTPError as error:  # an answer, with a non-2xx status
         return True, False, f"unhealthy: HTTP {error.code}"
+    except http.client.InvalidURL as error:  # refused before any request was sent
+        return False, False, f"unreachable: the endpoint is not a valid URL ({error})"
     except (OSError, ValueError) as error:  # URLError is an OSError
         return False, False, f"unreachable: {error}"
+    except http.client.HTTPException as error:  # not an OSError: BadStatusLine and kin
+        reason = _one_line(error)
+        return True, False, f"unhealthy: not an HTTP answer ({type(error).__name__}: {reason})"
     if 200 <= status < 300:
         return True, True, "healthy"
     return True, False, f"unhealthy: HTTP {status}"

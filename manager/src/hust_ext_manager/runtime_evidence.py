@@ -155,9 +155,13 @@ def _events(target: Path) -> list[dict[str, Any]]:
         with open_regular(target) as stream:
             stream.seek(0, os.SEEK_END)
             size = stream.tell()
-            stream.seek(max(0, size - _MAX_READ_BYTES))
+            stream.seek(0)
             if size > _MAX_READ_BYTES:
-                stream.readline()  # drop the partial first line of the tail window
+                # The window's first line is partial, and dropped, unless the byte before
+                # it ends a line: then it is whole and kept (it may be the live one).
+                stream.seek(size - _MAX_READ_BYTES - 1)
+                if stream.read(1) != b"\n":
+                    stream.readline()
             lines = stream.readlines()
     except OSError:
         return []
