@@ -163,7 +163,9 @@ async def _consume(session: aiohttp.ClientSession, url: str, payload: dict[str, 
     async with session.post(url, json=payload) as response:
         stream.status = response.status
         if response.status != 200:
-            body = (await response.text())[:200].strip()
+            # Bytes, decoded leniently: an error page in another charset still names its
+            # status, where ``text()`` would raise and the reason would be a codec error.
+            body = (await response.read()).decode("utf-8", "replace")[:200].strip()
             raise RuntimeError(f"HTTP {response.status}: {body}")
         async for raw in response.content:
             stream.take(raw.decode("utf-8", "replace").strip())

@@ -11,6 +11,7 @@ forwards the signal to the engine's process group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -170,6 +171,25 @@ def _exit_note(proc: subprocess.Popen[bytes]) -> str:
         return " (server still running)"
 
 
+def _kill_manager(proc: subprocess.Popen[bytes]) -> None:
+    # The manager may have exited since it was last polled: nothing is left to kill.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _hurry(proc: subprocess.Popen[bytes]) -> None:
+    """Escalate a stop at once: every SIGTERM after the manager's first makes it SIGKILL
+    the engine's group (repeated, since signals sent together may arrive as one)."""
+    deadline = time.monotonic() + 15.0
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
+    if proc.poll() is None:
+        _kill_manager(proc)
+
+
 @dataclass(frozen=True, slots=True)
 class ServeArm:
     profile: Profile
@@ -180,7 +200,9 @@ class ServeArm:
     def base_url(self) -> str:
         server = self.profile.server
         assert server is not None
-        return f"http://{server.host}:{server.port}"
+        # An IPv6 literal (`--host ::1`) needs brackets in a URL, or no request parses.
+        host = f"[{server.host}]" if ":" in server.host else server.host
+        return f"http://{host}:{server.port}"
 
     @property
     def sampling(self) -> Sampling:
@@ -321,17 +343,22 @@ class ServeArm:
     def _stop(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         # The manager forwards the first SIGTERM to the engine's group and escalates to
         # SIGKILL on a second one; killing the manager itself is the last resort.
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGTERM, 15.0)):
-            if proc.poll() is not None:
-                return
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        try:
+            for wait_s in (timeout_s, 15.0):
+                if proc.poll() is not None:
+                    return
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=wait_s)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+        except KeyboardInterrupt:
+            # A second Ctrl-C while the server stops: hurry the stop rather than exit
+            # with the manager and engine still running in their own sessions.
+            _hurry(proc)
+            raise
+        _kill_manager(proc)
 
     def _not_started(
         self, arm: Arm, argv: Sequence[str], why: str, wall: float, facts: dict[str, object]
