@@ -67,6 +67,8 @@ posts = [0]
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with lock:
             posts[0] += 1
+        if FAULT == "stall-second" and posts[0] == 2:  # the first after the warm-up
+            time.sleep(8)  # past the profile's request_timeout_s
         if FAULT == "http-500":
             self.send_response(500)
             self.end_headers()
@@ -91,6 +93,7 @@ def _profile(
     baseline_fault: str = "",
     port: int | None = None,
     extra_env: str = "",
+    request_timeout_s: int = 10,
 ) -> Path:
     (tmp / "pids").mkdir()
     return serve_profile(
@@ -104,7 +107,7 @@ def _profile(
 environment = {{ FAKE_PID_DIR = "{tmp / 'pids'}", FAKE_FAULT = "{baseline_fault}" }}
 candidate_environment = {{ FAKE_FAULT = "{candidate_fault}"{extra_env} }}
 """,
-        workload="request_timeout_s = 10\n",
+        workload=f"request_timeout_s = {request_timeout_s}\n",
         cells="""\
 name = "c"
 paragraph_repeats = [2, 3]
@@ -243,6 +246,17 @@ def test_multi_line_error_body_stays_one_line(
     report = (tmp_path / "out" / "report.md").read_text()
     (line,) = [ln for ln in report.splitlines() if "HTTP 500" in ln]
     assert line.startswith("- no-failed-or-starved: **fail**") and "second line" in line
+
+
+def test_a_request_past_its_timeout_is_starved_not_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_orphans: None
+) -> None:
+    """A stream the server stalls past request_timeout_s counts as starved, and only as
+    starved: the record keeps failures (errors) and starvation (timeouts) apart."""
+    record = _run(tmp_path, _profile(tmp_path, "stall-second", request_timeout_s=2), capsys)
+    base, cand = _arms(record)
+    assert (base["starved"], base["failed"]) == (0, 0)
+    assert (cand["starved"], cand["failed"], cand["requests"]) == (1, 0, 2)
 
 
 class _Foreign(BaseHTTPRequestHandler):
