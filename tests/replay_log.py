@@ -2,7 +2,8 @@
 
 Shared by the replay tests that check the engine's figures against what the scheduler
 decided (tests/test_replay_accounting.py, tests/test_replay_properties.py). With a capacity
-schedule, each step also records the elastic pool's state right after ``schedule()``.
+schedule, each step also records the elastic pool's state right after ``schedule()``, and
+after ``ElasticPool.idle`` when the engine emptied after it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Step:
     emitted: Counter[str] = field(default_factory=Counter)  # new output tokens per id
     finished: list[str] = field(default_factory=list)
     capacity: Capacity | None = None  # None without a capacity schedule
+    # The pool after ElasticPool.idle, when the engine emptied after this step before a gap
+    # to the next arrival (a pending shrink reserves the freed blocks then).
+    idle_capacity: Capacity | None = None
 
 
 @contextmanager
@@ -95,7 +99,16 @@ def logged_steps(log: list[Step], max_steps: int | None = None) -> Iterator[None
         log[-1].capacity = Capacity(pool.target, pool.effective, pool.used(), pool.in_shrink)
         after_schedule(pool)
 
+    idle = ElasticPool.idle
+
+    def logged_idle(pool: ElasticPool, now: float) -> None:
+        idle(pool, now)
+        if log:  # the engine empties only after a step
+            log[-1].idle_capacity = Capacity(pool.target, pool.effective, pool.used(),
+                                             pool.in_shrink)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(offline, "build_scheduler", logging_build)
         patch.setattr(ElasticPool, "after_schedule", logged_after_schedule)
+        patch.setattr(ElasticPool, "idle", logged_idle)
         yield

@@ -7,13 +7,15 @@ real vLLM block pool may hand out, over simulated time, the way kvcached resizes
 * **Growth is immediate**: blocks held back are returned to the pool's free queue (through
   the pool's own ``free_blocks``) at the first step at or after the change.
 * **A shrink never revokes a block a request holds**: it takes effect only as blocks become
-  free. Before every scheduler step the elastic pool moves free blocks into a reserve it
-  owns (the pool's ``touch`` takes them out of the free queue and ``evict_blocks`` drops
-  their prefix-cache hash, as the allocator does when it reuses a cached free block) until
-  it holds ``usable - target`` blocks. Until then the pool is *in shrink*; blocks freed by
-  preemptions inside a step can still go to the requester, as holes in mapped pages can in
-  kvcached. This is stricter than kvcached 0.1.6 in one respect: the reserve keeps every
-  block it took, so capacity falls monotonically to the target.
+  free. Before every scheduler step, and when the engine empties before a gap to the next
+  arrival (the last requests' blocks are free from that moment), the elastic pool moves
+  free blocks into a reserve it owns (the pool's ``touch`` takes them out of the free
+  queue and ``evict_blocks`` drops their prefix-cache hash, as the allocator does when it
+  reuses a cached free block) until it holds ``usable - target`` blocks. Until then the
+  pool is *in shrink*; blocks freed by preemptions inside a step can still go to the
+  requester, as holes in mapped pages can in kvcached. This is stricter than kvcached
+  0.1.6 in one respect: the reserve keeps every block it took, so capacity falls
+  monotonically to the target.
 * **Pages**: block ``b`` lies on page ``b // blocks_per_page``. A page is physically free
   when all of its blocks are free or reserved. When the reserve can choose (more free blocks
   than it still needs) it takes blocks on the pages with the most free-or-reserved blocks
@@ -275,21 +277,37 @@ class ElasticPool:
 
     def before_step(self, now: float) -> None:
         """Apply the schedule at simulated time ``now`` and reserve newly free blocks."""
-        t = now - self.origin
-        if self.in_shrink:
-            self.time_in_shrink += max(0.0, t - self._last_t)
-        self._last_t = t
-        target = self._on_clock.target_at(now, self.usable)
-        if target != self.target:
-            self._set_target(target, t)
-        elif self.in_shrink:
-            self._reserve_free(t)
+        self._apply(now)
         self.steps += 1
         if self.in_shrink:
             self.steps_in_shrink += 1
             # Blocks requests still hold above the target: what the shrink waits for.
             self.max_over_during_shrink = max(self.max_over_during_shrink,
                                               self.used() - self.target)
+
+    def idle(self, now: float) -> None:
+        """The engine holds no request from ``now`` until the next arrival: a pending shrink
+        takes the blocks the last requests freed now, when they freed them. Left to the
+        next step, the idle gap would count as time in shrink and as part of the shrink's
+        completion time. Schedule changes still apply at the next step."""
+        if self.in_shrink:
+            self._account(now)
+            self._reserve_free(now - self.origin)
+
+    def _account(self, now: float) -> None:
+        t = now - self.origin
+        if self.in_shrink:
+            self.time_in_shrink += max(0.0, t - self._last_t)
+        self._last_t = t
+
+    def _apply(self, now: float) -> None:
+        self._account(now)
+        t = now - self.origin
+        target = self._on_clock.target_at(now, self.usable)
+        if target != self.target:
+            self._set_target(target, t)
+        elif self.in_shrink:
+            self._reserve_free(t)
 
     def after_schedule(self) -> None:
         """Record usage right after ``schedule()`` (the step's allocation peak)."""

@@ -20,9 +20,10 @@ Elastic capacity (``ReplaySettings.capacity_schedule``): an
 :class:`~bidkv_ext.replay.capacity.ElasticPool` holds blocks of the real block pool back
 before each step (kvcached semantics, see :mod:`bidkv_ext.replay.capacity`) and, with
 ``capacity_signals`` on, is registered as the ``kvcached_provider.signals`` source for the
-arm (unregistered when the arm ends, also on errors). When nothing can be scheduled (two
-steps in a row that neither schedule nor preempt) the clock jumps to the next arrival or
-the next capacity change, whichever comes first.
+arm (unregistered when the arm ends, also on errors). When the engine empties before a gap
+to the next arrival, a pending shrink takes the freed blocks at that time, not after the
+gap. When nothing can be scheduled (two steps in a row that neither schedule nor preempt)
+the clock jumps to the next arrival or the next capacity change, whichever comes first.
 
 Observers: a policy that also implements :class:`ReplayObserver` follows the replay it
 decides in: it sees the loop's state (:class:`ReplayState`) before the first step, the
@@ -469,6 +470,8 @@ class _Loop:
                 self._admit(arrived)
                 arrived += 1
             if not scheduler.has_unfinished_requests():
+                if elastic is not None:
+                    elastic.idle(now)
                 now = requests[arrived].arrival
                 continue
             self.clock.now = now
