@@ -2,9 +2,10 @@
 pipe whose reader has gone (``... | head -1``).
 
 Guarded: the first two stop as a pipeline's writer does, quietly and with the shell's
-status for SIGPIPE (141); the replay stops printing but still writes its report files. Before, ``qualification profiles`` ended in a BrokenPipeError traceback with
-unbuffered output, and ``--help`` of either in Python's "Exception ignored ...
-BrokenPipeError" (exit 120) with buffered output. The manager's own case is
+status for SIGPIPE (141); the replay stops printing but still writes its report files.
+Before, ``qualification profiles`` ended in a BrokenPipeError traceback with unbuffered
+output, ``--help`` of either in Python's "Exception ignored ... BrokenPipeError" (exit
+120) with buffered output, and the replay lost its reports. The manager's own case is
 tests/test_manager_closed_stdout.py. Real subprocesses, whose standard output is a pipe
 with its read end closed before they start, so every write fails.
 """
