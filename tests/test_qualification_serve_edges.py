@@ -117,9 +117,14 @@ def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path
     engine still running (in their own sessions, holding the port). Now it still exits 130,
     after the manager has killed the engine."""
     (tmp_path / "pids").mkdir()
+    # The engine ignores SIGTERM but leaves a mark: the run is then inside the server's
+    # stop (the manager forwards its first SIGTERM to the engine), where the second SIGINT
+    # must land. (time.sleep resumes after the handler.)
+    marked = tmp_path / "got-sigterm"
     engine = FAULT_ENGINE.replace(
         'if FAULT == "never-healthy":',
-        'signal.signal(signal.SIGTERM, signal.SIG_IGN)\nif FAULT == "never-healthy":',
+        f'signal.signal(signal.SIGTERM, lambda *_: open({str(marked)!r}, "w").close())\n'
+        'if FAULT == "never-healthy":',
     )
     profile = serve_profile(
         tmp_path, "stop", engine, shutdown_grace_seconds=60, ready_timeout_s=60,
@@ -140,9 +145,12 @@ def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path
         assert _engines(tmp_path), "the first arm's engine never started"
         time.sleep(0.5)  # the engine has set its SIGTERM disposition
         proc.send_signal(signal.SIGINT)
-        time.sleep(1.0)  # the run is now waiting for the server to stop
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while not marked.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marked.exists(), "the run never started to stop the server"
+        proc.send_signal(signal.SIGINT)  # the run is now waiting for the server to stop
+        _, err = proc.communicate(timeout=60)
         left = _survivors(tmp_path, within_s=0.5)
     finally:
         if proc.poll() is None:
