@@ -137,6 +137,9 @@ def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path
     proc = subprocess.Popen(
         [*argv, "--out", str(tmp_path / "out")], cwd=REPO_ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # As from an interactive shell: an ignored SIGINT survives exec, and Python then
+        # never raises KeyboardInterrupt (the suite's process may have it ignored here).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 30
