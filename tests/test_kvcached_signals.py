@@ -9,7 +9,8 @@ requested limit and capacity, sums over pools, shrinking when any pool shrinks, 
 kvcached's ``(pool_name, group_id)`` order); ``pages_released`` counting only pages that a
 set of freed blocks empties (never a page with no live block, each block once); failures
 reading a pool never raise; one registered signals source at a time, withdrawn only by
-itself, and a failing source's page model reads as ``None``.
+itself, and a failing source's page model reads as ``None``; the CPU host passes the
+shrink state on even when a pool cannot report page occupancy.
 """
 
 from __future__ import annotations
@@ -270,3 +271,30 @@ def test_pages_released_reads_odd_ids_and_occupancy_as_no_facts(
     assert signals.pages_released(["block-3"]) is None  # type: ignore[list-item]
     monkeypatch.setattr(pool, "get_page_occupancy", lambda pages: {p: "full" for p in pages})
     assert signals.pages_released(range(16)) is None
+
+
+@pytest.mark.parametrize("shrinking", [True, False])
+def test_shrink_state_survives_a_pool_without_page_occupancy(
+    monkeypatch: pytest.MonkeyPatch, shrinking: bool
+) -> None:
+    """The host hands kvcached's shrink state to the policy (``facts.in_shrink``), so the
+    policy does not query the driver again. A pool that shrinks but cannot report page
+    occupancy (no ``get_page_occupancy``) leaves every ``pages_released`` unknown; the
+    shrink state must still say ``True``, or the policy, which trusts a host-supplied
+    value, would score the decision as if memory were not being reclaimed."""
+    from bidkv_ext.hosts.vllm.scheduler import PolicySchedulerMixin
+
+    kv = install(monkeypatch)
+    pool = kv.register(FakeKVCacheManager(num_blocks=64))
+    held = {"a": list(range(16, 32)), "b": list(range(32, 40))}
+    pool.allocated.update(b for ids in held.values() for b in ids)
+    pool.in_shrink = shrinking
+    # A kvcached that cannot report page occupancy.
+    monkeypatch.setattr(pool, "get_page_occupancy", None)
+    request = SimpleNamespace(request_id="b", num_computed_tokens=0)
+    host = _stub_host(held, pinned=set(), hashed=set(), prefix_caching=False)
+
+    facts = PolicySchedulerMixin._host_facts(host, request, 0)  # type: ignore[arg-type]
+
+    assert {rid: f.pages_released for rid, f in facts.facts.items()} == {"a": None, "b": None}
+    assert facts.in_shrink is shrinking
