@@ -12,7 +12,8 @@ kvcached. Guarded: the manifest satisfies Manifest 0.2 (JSON Schema and the spec
 the activation environment alone and with BidKV renders one consistent launch (no variable
 in common); the per-instance ``KVCACHED_IPC_NAME`` override; on this CPU machine status is
 degraded with our check lines and ``run`` refuses; a failing check makes ``run`` refuse
-with its reason.
+with its reason; ``run`` refuses a second launch under the name of an engine that is still
+starting (a real process that loaded the bundle's plugin stands in for it).
 """
 
 from __future__ import annotations
@@ -178,3 +179,33 @@ def test_failing_check_makes_run_refuse(gpu_host: tuple[str, Path], base_env: di
     assert refused.returncode == 2
     assert f"refusing to launch '{KV}'" in refused.stderr
     assert "kvcached_autopatch.pth is missing from site-packages" in refused.stderr
+
+
+@needs_manager
+def test_run_refuses_the_name_of_a_starting_engine(
+    gpu_host: tuple[str, Path], base_env: dict[str, str], tmp_path: Path
+) -> None:
+    python, _ = gpu_host
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**base_env, "KVCACHED_PROVIDER_STATE_DIR": str(tmp_path / "state"),
+           "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
+    assert manager(env, "extension", "enable", KV, python=python).returncode == 0
+    assert manager(env, "run", "--dry-run", "--", "vllm", "serve", "m",
+                   python=python).returncode == 0
+    first = subprocess.Popen(  # loaded the plugin; kvcached has created no record yet
+        [python, "-c", "import time, kvcached_provider.activation as a; a.register(); "
+         "print('ready', flush=True); time.sleep(120)"],
+        env={**env, **KV_ENV}, text=True, stdout=subprocess.PIPE)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "ready\n"
+        refused = manager(env, "run", "--dry-run", "--", "vllm", "serve", "m", python=python)
+        assert refused.returncode == 2
+        assert f"refusing to launch '{KV}'" in refused.stderr
+        assert (f"KVCACHED_IPC_NAME 'vllm_hust_kvcached' is claimed by pid {first.pid}"
+                in refused.stderr)
+    finally:
+        first.kill()
+        first.wait()
+    assert manager(env, "run", "--dry-run", "--", "vllm", "serve", "m",
+                   python=python).returncode == 0

@@ -9,10 +9,12 @@ vLLM loads general plugins in each of its processes -- every installed one when
 ``VLLM_PLUGINS`` is unset, so also in engines that never enabled this bundle. While kvcached
 is off (``ENABLE_KVCACHED`` not true/1, or ``KVCACHED_AUTOPATCH`` set to anything but
 true/1, read as kvcached reads them) :func:`register` returns at once, having imported
-nothing beyond this module. Otherwise it starts one daemon thread per process when the
-instance has an explicit, valid ``KVCACHED_IPC_NAME``. Only the process holding registered
-kvcached pools (the EngineCore) ever claims a request. The plugin never raises: a failure
-here must not stop the engine.
+nothing beyond this module. Otherwise, when the instance has an explicit, valid
+``KVCACHED_IPC_NAME``, it claims that name for the process (:mod:`kvcached_provider.claim`:
+a second launch under it is refused while this engine lives, even before kvcached has
+created its control record) and starts one daemon thread per process. Only the process
+holding registered kvcached pools (the EngineCore) ever claims a request. The plugin never
+raises: a failure here must not stop the engine.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def _enabled(environ: Mapping[str, str]) -> bool:
             and environ.get("KVCACHED_AUTOPATCH", "1").lower() in on)
 
 
+def _claim(ipc: str) -> None:
+    from kvcached_provider.claim import ClaimError, hold
+
+    try:
+        hold(ipc)
+    except ClaimError as exc:  # the engine runs; only the launch check loses its evidence
+        _log.warning("kvcached_provider: KVCACHED_IPC_NAME %r not claimed (%s); a second "
+                     "launch under it is refused only once kvcached's control record "
+                     "exists", ipc, exc)
+
+
 def register() -> LimitResponder | None:
     """Entry point of the ``vllm.general_plugins`` plugin ``kvcached_provider``."""
     global _responder
@@ -57,6 +70,7 @@ def register() -> LimitResponder | None:
                 "kvcached_provider: KVCACHED_IPC_NAME %r is missing or invalid; "
                 "`kvcached-provider limit` cannot reach this instance", ipc)
             return None
+        _claim(ipc)
         with _lock:
             if _responder is None:
                 responder = LimitResponder(ipc)

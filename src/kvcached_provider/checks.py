@@ -394,10 +394,12 @@ def check_ipc_name(
 ) -> list[CheckLine]:
     """The planned ``KVCACHED_IPC_NAME`` is addressable and, ideally, unique per instance.
 
-    ``launching`` (``run``): an existing control record that a live process uses means
-    another engine runs under this name, and a second would share its control record and
-    limits (kvcached uses an explicit name exactly), so that fails. Otherwise (``status``,
-    possibly of the running engine itself) an existing record is only reported.
+    ``launching`` (``run``): a live engine process holding the name's claim (taken when
+    the bundle's plugin loads, before kvcached creates its record), or an existing control
+    record that a live process uses, means another engine runs under this name, and a
+    second would share its control record and limits (kvcached uses an explicit name
+    exactly), so that fails. Otherwise (``status``, possibly of the running engine itself)
+    an existing record is only reported.
     """
     if name is None:
         return [(False, (
@@ -425,6 +427,9 @@ def check_ipc_name(
             f"KVCACHED_IPC_NAME is the bundle default {name!r}; engines sharing this host "
             f"need distinct names: set one per instance with {_CONFIGURE_HINT}"
         )))
+    if launching and (claimed := _claim_holders(name)) is not None:
+        lines.append(claimed)
+        return lines
     try:
         record = (directory if directory is not None else shm_dir()) / name
     except SettingError:  # check_shm_writable already reports the setting
@@ -447,6 +452,25 @@ def check_ipc_name(
             "KVCACHED_IPC_NAME"
         )))
     return lines
+
+
+def _claim_holders(name: str) -> CheckLine | None:
+    """A failing line when a live engine process holds ``name``'s claim; an unusable claim
+    file is reported, not taken for a conflict (the record check still runs)."""
+    from kvcached_provider.claim import ClaimError, claim_path, holders
+
+    try:
+        pids = holders(name)
+    except ClaimError:
+        return None
+    if pids is None:
+        return None
+    by = f"pid {', '.join(map(str, pids))}" if pids else "a live process (pid not visible here)"
+    return (False, (
+        f"KVCACHED_IPC_NAME {name!r} is claimed by {by} (claim {claim_path(name)}): an "
+        "engine already runs or is starting under it, and a second would share its "
+        f"control record and limits; set a distinct name with {_CONFIGURE_HINT}"
+    ))
 
 
 def _record_users(record: Path) -> list[int]:

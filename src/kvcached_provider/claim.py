@@ -1,0 +1,122 @@
+"""An engine's claim on its ``KVCACHED_IPC_NAME``, held from plugin load until it exits.
+
+kvcached creates an instance's control record in ``/dev/shm`` only when the engine
+allocates its KV cache, after the model has loaded (minutes, for a large model). Until then
+nothing there shows that the name is taken, so a second ``run`` under the same name passed
+the launch check and later shared the first engine's record and limits.
+
+The bundle's plugin is loaded by vLLM in each engine process long before the model
+(:func:`kvcached_provider.activation.register`), and takes a *shared* ``flock`` on
+``<state dir>/claims/<name>``, which it keeps until the process exits; the kernel drops it
+then, SIGKILL included, so a claim never outlives its engine. The launch check asks for the
+same lock *exclusively* without waiting: refused means a live engine process holds the
+name. A file lock tells an engine apart from a process that merely exports the variable (a
+shell with it in its profile), which the process environment cannot.
+
+The claim lives in the per-user state directory of ``kvcached-provider limit``
+(``KVCACHED_PROVIDER_STATE_DIR``), so it covers the engines of the user who launches.
+Two launches started within the engine's first seconds (before vLLM loads its plugins)
+can still both pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+__all__ = ["ClaimError", "claim_path", "hold", "holders"]
+
+_PROC = Path("/proc")
+
+# claim file -> descriptor holding the shared lock; never closed: the lock must last as
+# long as the process. A forked child shares the parent's open file, and so its lock.
+_held: dict[Path, int] = {}
+
+
+class ClaimError(Exception):
+    """The claim file cannot be used; the message names it and why."""
+
+
+def claim_path(ipc: str, directory: Path | None = None) -> Path:
+    """Where the engines of instance ``ipc`` hold their claim."""
+    if directory is None:
+        from kvcached_provider.limit import LimitError, state_dir
+
+        try:
+            directory = state_dir()
+        except LimitError as exc:
+            raise ClaimError(str(exc)) from exc
+    return directory / "claims" / ipc
+
+
+def hold(ipc: str, directory: Path | None = None) -> Path:
+    """Claim ``ipc`` for this process until it exits (idempotent); returns the claim file."""
+    path = claim_path(ipc, directory)
+    if path in _held:
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ClaimError(f"cannot create the claim {path}: {exc.strerror or exc}") from exc
+    try:
+        # Blocking: a launch check holds the lock exclusively only for the instant it tests.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        os.close(fd)
+        raise ClaimError(f"cannot lock the claim {path}: {exc.strerror or exc}") from exc
+    _held[path] = fd
+    return path
+
+
+def holders(ipc: str, directory: Path | None = None) -> list[int] | None:
+    """Live processes holding ``ipc``'s claim, or ``None`` when no process holds it.
+
+    The lock decides; the pids, read from ``/proc``, only name them and may be an empty
+    list (``/proc`` hidden, or processes of another user).
+    """
+    path = claim_path(ipc, directory)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ClaimError(f"cannot read the claim {path}: {exc.strerror or exc}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _openers(path)
+        except OSError as exc:
+            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+        return None
+    finally:
+        os.close(fd)  # also releases the exclusive lock, if taken
+
+
+def _openers(path: Path) -> list[int]:
+    """Pids of the other processes with ``path`` open (their descriptors link to it)."""
+    target = os.path.realpath(path)
+    own = os.getpid()
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for entry in _PROC.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == own:
+                continue
+            if _has_open(entry, target):
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def _has_open(entry: Path, target: str) -> bool:
+    try:
+        fds = list((entry / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == target:
+                return True
+    return False
