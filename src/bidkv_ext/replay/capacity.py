@@ -7,15 +7,15 @@ real vLLM block pool may hand out, over simulated time, the way kvcached resizes
 * **Growth is immediate**: blocks held back are returned to the pool's free queue (through
   the pool's own ``free_blocks``) at the first step at or after the change.
 * **A shrink never revokes a block a request holds**: it takes effect only as blocks become
-  free. Before every scheduler step, and when the engine empties before a gap to the next
-  arrival (the last requests' blocks are free from that moment), the elastic pool moves
-  free blocks into a reserve it owns (the pool's ``touch`` takes them out of the free
-  queue and ``evict_blocks`` drops their prefix-cache hash, as the allocator does when it
-  reuses a cached free block) until it holds ``usable - target`` blocks. Until then the
-  pool is *in shrink*; blocks freed by preemptions inside a step can still go to the
-  requester, as holes in mapped pages can in kvcached. This is stricter than kvcached
-  0.1.6 in one respect: the reserve keeps every block it took, so capacity falls
-  monotonically to the target.
+  free. Before every scheduler step, and when the engine empties (before a gap to the next
+  arrival, and at the end of the replay: the last requests' blocks are free from that
+  moment), the elastic pool moves free blocks into a reserve it owns (the pool's ``touch``
+  takes them out of the free queue and ``evict_blocks`` drops their prefix-cache hash, as
+  the allocator does when it reuses a cached free block) until it holds
+  ``usable - target`` blocks. Until then the pool is *in shrink*; blocks freed by
+  preemptions inside a step can still go to the requester, as holes in mapped pages can in
+  kvcached. This is stricter than kvcached 0.1.6 in one respect: the reserve keeps every
+  block it took, so capacity falls monotonically to the target.
 * **Pages**: block ``b`` lies on page ``b // blocks_per_page``. A page is physically free
   when all of its blocks are free or reserved. When the reserve can choose (more free blocks
   than it still needs) it takes blocks on the pages with the most free-or-reserved blocks
@@ -216,7 +216,8 @@ class ElasticPool:
     shrink state, allocatable blocks, limits and free pages, and its page model.
 
     Call :meth:`before_step` before each ``schedule()``, :meth:`after_schedule` after it,
-    and :meth:`finish` once at the end (it releases the reserve).
+    :meth:`idle` whenever the engine empties (also after the last step), and :meth:`finish`
+    once at the end (it releases the reserve).
     """
 
     def __init__(
@@ -286,10 +287,12 @@ class ElasticPool:
                                               self.used() - self.target)
 
     def idle(self, now: float) -> None:
-        """The engine holds no request from ``now`` until the next arrival: a pending shrink
-        takes the blocks the last requests freed now, when they freed them. Left to the
-        next step, the idle gap would count as time in shrink and as part of the shrink's
-        completion time. Schedule changes still apply at the next step."""
+        """The engine holds no request from ``now`` until the next arrival, or ever again
+        (the replay ends at ``now``): a pending shrink takes the blocks the last requests
+        freed now, when they freed them. Left to the next step, the idle gap would count as
+        time in shrink and as part of the shrink's completion time; at the end, the shrink
+        would be left pending though nothing holds a block. Schedule changes still apply at
+        the next step (none after the end)."""
         if self.in_shrink:
             self._account(now)
             self._reserve_free(now - self.origin)

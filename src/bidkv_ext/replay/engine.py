@@ -20,10 +20,11 @@ Elastic capacity (``ReplaySettings.capacity_schedule``): an
 :class:`~bidkv_ext.replay.capacity.ElasticPool` holds blocks of the real block pool back
 before each step (kvcached semantics, see :mod:`bidkv_ext.replay.capacity`) and, with
 ``capacity_signals`` on, is registered as the ``kvcached_provider.signals`` source for the
-arm (unregistered when the arm ends, also on errors). When the engine empties before a gap
-to the next arrival, a pending shrink takes the freed blocks at that time, not after the
-gap. When nothing can be scheduled (two steps in a row that neither schedule nor preempt)
-the clock jumps to the next arrival or the next capacity change, whichever comes first.
+arm (unregistered when the arm ends, also on errors). When the engine empties, before a
+gap to the next arrival or at the end of the replay, a pending shrink takes the freed
+blocks at that time (not after the gap; at the end, not never). When nothing can be
+scheduled (two steps in a row that neither schedule nor preempt) the clock jumps to the
+next arrival or the next capacity change, whichever comes first.
 
 Observers: a policy that also implements :class:`ReplayObserver` follows the replay it
 decides in: it sees the loop's state (:class:`ReplayState`) before the first step, the
@@ -508,6 +509,10 @@ class _Loop:
                 sampled_token_ids=sampled,
             )
             done += self._deliver(scheduler.update_from_output(out, runner_output), now, progress)
+        if elastic is not None:
+            # The last finishes freed their blocks at `now` and the engine is empty, as
+            # before an idle gap: a pending shrink takes them then.
+            elastic.idle(now)
 
     def _execute(
         self, scheduled: Mapping[str, int]
