@@ -484,11 +484,6 @@ def _slice_rows(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> list[str]:
     return rows
 
 
-def _paired(runs: list[dict[str, dict[str, Any]]], fn: Any) -> float:
-    """Median over slices of ``fn(arms_of_one_slice)``: comparisons stay within a slice."""
-    return statistics.median(fn(r) for r in runs)
-
-
 def _gap_closed(r: dict[str, dict[str, Any]]) -> float | None:
     """Share of the best peer's tax gap to the clairvoyant reference that bidkv closes;
     None where the reference recomputes no less than the best peer (no gap to close)."""
