@@ -233,10 +233,25 @@ def _procedure_section(outcomes: Sequence[CellOutcome]) -> list[str]:
 
 
 def _total(values: Sequence[float | int | None]) -> str:
-    """A sum over the repeats, or ``n/a`` when any repeat did not report its count."""
-    if not values or any(v is None or not math.isfinite(v) for v in values):
+    """A sum over the repeats, or ``n/a`` when any repeat did not report its count.
+
+    Integer counts (the policy counters) are summed exactly: one past float's range, which
+    a runtime-evidence line or a replay report can hold, made ``math.isfinite`` raise
+    OverflowError and report.md was never written; and ``format(..., "g")`` showed a total
+    of 1,234,567 calls as ``1.23457e+06``."""
+    if not values or any(v is None for v in values):
         return "n/a"
-    return format(math.fsum(v for v in values if v is not None), "g")
+    if all(isinstance(v, int) for v in values):
+        try:
+            return str(sum(v for v in values if isinstance(v, int)))
+        except ValueError:  # past Python's integer-to-string digit limit
+            return "n/a"
+    try:
+        if not all(math.isfinite(v) for v in values if v is not None):
+            return "n/a"
+        return format(math.fsum(v for v in values if v is not None), "g")
+    except OverflowError:  # an integer past float's range among float figures
+        return "n/a"
 
 
 def _counter_totals(outcomes: Sequence[CellOutcome]) -> list[str]:
