@@ -1,6 +1,7 @@
 """Guards the qualification behaviour a hand-run mutation audit found unguarded (a mutant
 of stats, verdict, figures, profile, release, report, procedure or rollback that the
-qualification suite let pass). Each test names the rule it holds, from qualification.md,
+qualification suite let pass; its release-check cases are in
+tests/test_qualification_release.py). Each test names the rule it holds, from qualification.md,
 qualification/README.md or the module's own docstring:
 
 - an empty cell and a NaN delta give NaN intervals (no ZeroDivisionError, no infinite
@@ -14,9 +15,6 @@ qualification/README.md or the module's own docstring:
 - a zero-latency request does not break the serve figures;
 - profiles: repeats 1 to 1000, directory names without ``..`` or ``\\``, environment names
   not starting with a digit, ports up to 65535, and the spec's workload defaults;
-- release-check: a version with a local segment finds its CHANGELOG section, a partial
-  manifest profile matches only on the keys it names, execution mode is matched, a v1
-  manifest is found, and only passing records are listed as matched;
 - report.md: the gate summary, the verdict row's columns and CI order, n/a for NaN, the
   procedure section and its notes, exact counter totals (a counter past float's range
   used to crash the report with OverflowError), the short hash and the model;
@@ -39,7 +37,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from qualification import RECORD_SCHEMA
 from qualification.client import RequestResult
 from qualification.errors import QualificationError
 from qualification.evidence import counters_from_evidence
@@ -51,7 +48,6 @@ from qualification.procedure import (
     snapshot_device,
 )
 from qualification.profile import PROFILE_DIR, Profile, load_profile
-from qualification.release import check_release
 from qualification.report import gate_summary, procedure_notes, write_markdown
 from qualification.rollback import verify_fallback
 from qualification.stats import summarize_deltas
@@ -250,109 +246,6 @@ def test_an_unspecified_workload_gets_the_spec_defaults(tmp_path: Path) -> None:
     assert (server.graph_mode, server.cudagraph_capture_sizes) == ("FULL_DECODE_ONLY",
                                                                   (1, 2, 4, 8))
     assert profile.repeats == 3
-
-
-# ---------------------------------------------------------------- release-check
-
-_PYPROJECT = """\
-[project]
-name = "vllm-hust-bidkv"
-dynamic = ["version"]
-
-[project.entry-points."vllm_hust.extension_bundles"]
-"org.vllm-hust.bidkv" = "manifests.bidkv"
-
-[tool.setuptools.dynamic]
-version = { attr = "bidkv_ext._version.__version__" }
-"""
-
-
-def _release_tree(tmp: Path, version: str = "1.2.3", *, changelog: str | None = None,
-                  profile: dict[str, object] | None = None,
-                  manifest_name: str = "vllm-hust-extension-v0.2.json") -> Path:
-    root = tmp / "repo"
-    (root / "src" / "bidkv_ext").mkdir(parents=True)
-    (root / "src" / "bidkv_ext" / "_version.py").write_text(f'__version__ = "{version}"\n')
-    (root / "pyproject.toml").write_text(_PYPROJECT)
-    manifest = json.loads((REPO / "manifests/bidkv/vllm-hust-extension-v0.2.json").read_text())
-    manifest["extension_version"] = version
-    if profile is not None:
-        manifest["activation"]["additional_config"] = {"_manager_runtime_qualification": profile}
-    (root / "manifests" / "bidkv").mkdir(parents=True)
-    (root / "manifests" / "bidkv" / manifest_name).write_text(json.dumps(manifest))
-    (root / "CHANGELOG.md").write_text(
-        changelog if changelog is not None else f"# Changelog\n\n## [{version}] - 2026-10-01\n"
-    )
-    return root
-
-
-def _release_record(dest: Path, version: str = "1.2.3", *, passed: bool = True,
-                    mode: str = "graph") -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "schema": RECORD_SCHEMA,
-        "extension": {"id": "org.vllm-hust.bidkv", "version": version, "commit": None},
-        "host": {"name": "vllm", "version": "0.33.0"},
-        "profile": {"name": "x", "accelerator": "cuda", "model": "M",
-                    "tensor_parallel_size": 1, "execution_mode": mode},
-        "gate": {"passed": passed},
-    }
-    path = dest / "record.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
-def test_a_version_with_a_local_segment_finds_its_changelog_section(tmp_path: Path) -> None:
-    """release rule 3: the section ``## [<version>]`` is matched literally: a '+' or '.'
-    in the version is not a regular-expression operator."""
-    root = _release_tree(tmp_path / "a", "1.2.3+hust.1")
-    _release_record(tmp_path / "a" / "records", "1.2.3+hust.1")
-    result = check_release(root, [tmp_path / "a" / "records"])
-    assert result.passed, result.problems
-    lookalike = _release_tree(tmp_path / "b", changelog="# Changelog\n\n## [1x2x3]\n")
-    _release_record(tmp_path / "b" / "records")
-    problems = check_release(lookalike, [tmp_path / "b" / "records"]).problems
-    assert problems == ("CHANGELOG.md has no released section '## [1.2.3]'",)
-
-
-def test_a_manifest_profile_matches_only_on_the_keys_it_names(tmp_path: Path) -> None:
-    """release rule 5 matches the profile's accelerator, model, TP and mode *when present*:
-    a profile naming only the accelerator and model does not demand the others."""
-    root = _release_tree(tmp_path, profile={"accelerator": "cuda", "model": "M"})
-    _release_record(tmp_path / "records")
-    result = check_release(root, [tmp_path / "records"])
-    assert result.passed, result.problems
-
-
-def test_a_manifest_profile_execution_mode_must_match_a_record(tmp_path: Path) -> None:
-    """release rule 5: execution mode is one of the matched keys (a graph-mode
-    qualification does not cover an eager run, qualification.md §1)."""
-    root = _release_tree(tmp_path, profile={"accelerator": "cuda", "model": "M",
-                                            "execution_mode": "graph"})
-    _release_record(tmp_path / "records", mode="eager")
-    result = check_release(root, [tmp_path / "records"])
-    assert not result.passed
-    assert "execution_mode" in result.problems[0]
-
-
-def test_a_v1_manifest_is_found(tmp_path: Path) -> None:
-    """release rule 2 reads the bundle manifest under either name the manager reads,
-    ``vllm-hust-extension-v0.2.json`` or ``vllm-hust-extension-v1.json``."""
-    root = _release_tree(tmp_path, manifest_name="vllm-hust-extension-v1.json")
-    _release_record(tmp_path / "records")
-    result = check_release(root, [tmp_path / "records"])
-    assert result.passed, result.problems
-
-
-def test_only_passing_records_are_listed_as_matched(tmp_path: Path) -> None:
-    """``release-check`` prints the records the release rests on: a failed record beside
-    the passing one is not one of them."""
-    root = _release_tree(tmp_path)
-    good = _release_record(tmp_path / "records" / "good")
-    _release_record(tmp_path / "records" / "bad", passed=False)
-    result = check_release(root, [tmp_path / "records"])
-    assert result.passed, result.problems
-    assert result.matched_records == (str(good),)
 
 
 # ---------------------------------------------------------------- report

@@ -6,7 +6,10 @@
 manifest's valid host range and, when present, its `_manager_runtime_qualification` profile
 (an object; accelerator, model, TP, mode, its runtime commit when the record names one, and
 a passed functional status) must exist; failures list everything missing, a tree file that
-is not a regular file (a FIFO) included, without waiting on it."""
+is not a regular file (a FIFO) included, without waiting on it. Also (from a mutation audit):
+the CHANGELOG section is matched literally (a local version segment), a profile matches only
+on the keys it names, a `vllm-hust-extension-v1.json` manifest is found, and only passing
+records are listed as matched."""
 
 from __future__ import annotations
 
@@ -44,7 +47,9 @@ def _profile(**change: object) -> dict[str, object]:
             **change}
 
 
-def _tree(tmp: Path, version: str = "1.2.3", profile: dict[str, object] | None = None) -> Path:
+def _tree(tmp: Path, version: str = "1.2.3", profile: dict[str, object] | None = None, *,
+          changelog: str | None = None,
+          manifest_name: str = "vllm-hust-extension-v0.2.json") -> Path:
     root = tmp / "repo"
     (root / "src" / "bidkv_ext").mkdir(parents=True)
     (root / "src" / "bidkv_ext" / "_version.py").write_text(f'__version__ = "{version}"\n')
@@ -54,9 +59,10 @@ def _tree(tmp: Path, version: str = "1.2.3", profile: dict[str, object] | None =
     if profile is not None:
         manifest["activation"]["additional_config"] = {"_manager_runtime_qualification": profile}
     (root / "manifests" / "bidkv").mkdir(parents=True)
-    (root / "manifests/bidkv/vllm-hust-extension-v0.2.json").write_text(json.dumps(manifest))
+    (root / "manifests/bidkv" / manifest_name).write_text(json.dumps(manifest))
     (root / "CHANGELOG.md").write_text(
-        f"# Changelog\n\n## [Unreleased]\n\n## [{version}] - 2026-10-01\n"
+        changelog if changelog is not None
+        else f"# Changelog\n\n## [Unreleased]\n\n## [{version}] - 2026-10-01\n"
     )
     return root
 
@@ -71,6 +77,7 @@ def _record(
     tp: int = 1,
     commit: str | None = None,
     schema: str = RECORD_SCHEMA,
+    mode: str = "graph",
 ) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -82,7 +89,7 @@ def _record(
             "accelerator": accelerator,
             "model": "M",
             "tensor_parallel_size": tp,
-            "execution_mode": "graph",
+            "execution_mode": mode,
         },
         "gate": {"passed": passed, "failures": [] if passed else ["cell: gate"]},
     }
@@ -486,3 +493,56 @@ def test_a_record_value_of_another_type_does_not_match_the_manifest_profile(
     assert not result.passed
     (problem,) = result.problems
     assert problem.startswith("no passing record matches the manifest's"), problem
+
+
+def test_a_version_with_a_local_segment_finds_its_changelog_section(tmp_path: Path) -> None:
+    """release rule 3: the section ``## [<version>]`` is matched literally: a '+' or '.'
+    in the version is not a regular-expression operator."""
+    root = _tree(tmp_path / "a", "1.2.3+hust.1")
+    _record(tmp_path / "a" / "records", version="1.2.3+hust.1")
+    result = check_release(root, [tmp_path / "a" / "records"])
+    assert result.passed, result.problems
+    lookalike = _tree(tmp_path / "b", changelog="# Changelog\n\n## [1x2x3]\n")
+    _record(tmp_path / "b" / "records")
+    problems = check_release(lookalike, [tmp_path / "b" / "records"]).problems
+    assert problems == ("CHANGELOG.md has no released section '## [1.2.3]'",)
+
+
+def test_a_manifest_profile_matches_only_on_the_keys_it_names(tmp_path: Path) -> None:
+    """release rule 5 matches the profile's accelerator, model, TP and mode *when present*:
+    a profile naming only the accelerator and model does not demand the others."""
+    root = _tree(tmp_path, profile={"accelerator": "cuda", "model": "M"})
+    _record(tmp_path / "records")
+    result = check_release(root, [tmp_path / "records"])
+    assert result.passed, result.problems
+
+
+def test_a_manifest_profile_execution_mode_must_match_a_record(tmp_path: Path) -> None:
+    """release rule 5: execution mode is one of the matched keys (a graph-mode
+    qualification does not cover an eager run, qualification.md §1)."""
+    root = _tree(tmp_path, profile={"accelerator": "cuda", "model": "M",
+                                            "execution_mode": "graph"})
+    _record(tmp_path / "records", mode="eager")
+    result = check_release(root, [tmp_path / "records"])
+    assert not result.passed
+    assert "execution_mode" in result.problems[0]
+
+
+def test_a_v1_manifest_is_found(tmp_path: Path) -> None:
+    """release rule 2 reads the bundle manifest under either name the manager reads,
+    ``vllm-hust-extension-v0.2.json`` or ``vllm-hust-extension-v1.json``."""
+    root = _tree(tmp_path, manifest_name="vllm-hust-extension-v1.json")
+    _record(tmp_path / "records")
+    result = check_release(root, [tmp_path / "records"])
+    assert result.passed, result.problems
+
+
+def test_only_passing_records_are_listed_as_matched(tmp_path: Path) -> None:
+    """``release-check`` prints the records the release rests on: a failed record beside
+    the passing one is not one of them."""
+    root = _tree(tmp_path)
+    good = _record(tmp_path / "records" / "good")
+    _record(tmp_path / "records" / "bad", passed=False)
+    result = check_release(root, [tmp_path / "records"])
+    assert result.passed, result.problems
+    assert result.matched_records == (str(good),)
