@@ -8,7 +8,8 @@ before loading the model) claims the name with a file lock; the launch check
 (``check_ipc_name(..., launching=True)``, and ``vllm-hust-ext run``) fails while a live
 process holds it, naming the pid, though no control record exists; ``status`` is not
 affected; the claim ends with the process, SIGKILL included; a process that merely exports
-the variable (a shell) claims nothing; a plugin with kvcached off claims nothing. Real
+the variable (a shell) claims nothing; a plugin with kvcached off claims nothing; a FIFO at
+the claim's path hangs neither the plugin nor the check. Real
 processes stand in for the engine: they run the real plugin, without kvcached (which needs a
 CUDA build).
 """
@@ -148,3 +149,20 @@ def test_an_unusable_state_directory_does_not_stop_the_plugin(
         claim.holders("x")
     assert checks.check_ipc_name("x", tmp_path, launching=True) == [
         (True, "KVCACHED_IPC_NAME is 'x'")]
+
+
+@pytest.mark.parametrize("call", ["holders", "hold"])
+def test_a_fifo_at_the_claim_path_hangs_nothing(dirs: tuple[Path, Path], call: str) -> None:
+    """Opening a FIFO for reading waits for a writer; the claim opens without waiting, so a
+    FIFO planted at its path cannot hang an engine's start-up or a launch check (a
+    subprocess with a timeout, so that the old blocking open fails the test, not hangs it)."""
+    state, shm = dirs
+    (state / "claims").mkdir(parents=True)
+    os.mkfifo(state / "claims" / NAME)
+    done = subprocess.run(
+        [sys.executable, "-c",
+         f"from kvcached_provider import claim; print(claim.{call}({NAME!r}))"],
+        env=_engine_env(state, shm), capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    expected = "None" if call == "holders" else str(state / "claims" / NAME)
+    assert done.stdout.strip() == expected

@@ -29,6 +29,9 @@ from pathlib import Path
 __all__ = ["ClaimError", "claim_path", "hold", "holders"]
 
 _PROC = Path("/proc")
+# O_NONBLOCK: opening a FIFO planted at the claim's path must not hang the engine or the
+# launch check (no effect on a regular file, nor on flock, which LOCK_NB alone governs).
+_OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 # claim file -> descriptor holding the shared lock; never closed: the lock must last as
 # long as the process. A forked child shares the parent's open file, and so its lock.
@@ -58,7 +61,7 @@ def hold(ipc: str, directory: Path | None = None) -> Path:
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, _OPEN | os.O_CREAT, 0o600)
     except OSError as exc:
         raise ClaimError(f"cannot create the claim {path}: {exc.strerror or exc}") from exc
     try:
@@ -79,7 +82,7 @@ def holders(ipc: str, directory: Path | None = None) -> list[int] | None:
     """
     path = claim_path(ipc, directory)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, _OPEN)
     except FileNotFoundError:
         return None
     except OSError as exc:
