@@ -52,33 +52,18 @@ from qualification.report import gate_summary, procedure_notes, write_markdown
 from qualification.rollback import verify_fallback
 from qualification.stats import summarize_deltas
 from qualification.verdict import ArmResult, CellOutcome, Pair, evaluate_cell
+from tests.verdict_helpers import arm_result
 
 REPO = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------- verdict helpers
 
 
-def _arm(arm: str, throughput: float = 100.0, p95: float = 10.0, **kw: Any) -> ArmResult:
-    counters = (
-        {"calls": 10, "selections": 1, "abstentions": 9, "failures": 0, "invalid_selections": 0}
-        if arm == "candidate"
-        else {k: 0 for k in ("calls", "selections", "abstentions", "failures",
-                             "invalid_selections")}
-    )
-    fields: dict[str, Any] = {
-        "ttft_p50": 0.1, "ttft_p95": 0.2, "latency_p50": p95 / 2, "requests": 4,
-        "completed": 4, "counters": counters, "policy_enabled": arm == "candidate",
-        "short_hash": "abc",
-    }
-    fields.update(kw)
-    return ArmResult(arm=arm, throughput=throughput, latency_p95=p95, **fields)  # type: ignore[arg-type]
-
-
 def _pairs(n: int = 3, base: Mapping[str, Any] | None = None,
            cand: Mapping[str, Any] | None = None) -> list[Pair]:
     return [
-        Pair("cell", r, "baseline", _arm("baseline", **(base or {})),
-             _arm("candidate", **(cand or {})))
+        Pair("cell", r, "baseline", arm_result("baseline", **(base or {})),
+             arm_result("candidate", **(cand or {})))
         for r in range(n)
     ]
 
@@ -294,8 +279,8 @@ def test_the_verdict_row_shows_throughput_then_p95_latency_with_ordered_interval
     *latency* deltas, each as mean [low, high], the gate status and the verdict; the
     header names the lane's model."""
     pairs = [
-        Pair("cell", r, "baseline", _arm("baseline"),
-             _arm("candidate", throughput=thr, p95=p95, ttft_p95=0.5))
+        Pair("cell", r, "baseline", arm_result("baseline"),
+             arm_result("candidate", throughput=thr, p95=p95, ttft_p95=0.5))
         for r, (thr, p95) in enumerate([(110.0, 9.0), (112.0, 9.5), (115.0, 9.2)])
     ]
     outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
@@ -337,7 +322,7 @@ def test_the_procedure_section_names_a_candidate_without_its_environment(
     name the candidate arm whose engine children lacked ``BIDKV_UTILITY_*``."""
     env = {"policy_environment": {"status": "missing", "detail": "no engine child carries it"}}
     pairs = _pairs(cand={"procedure": env})
-    pairs[0] = Pair("cell", 0, "baseline", _arm("baseline"),
+    pairs[0] = Pair("cell", 0, "baseline", arm_result("baseline"),
                     ArmResult.not_started("candidate", "never healthy", wall_s=1.0, command=()))
     outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
     notes = procedure_notes([outcome])
@@ -356,7 +341,8 @@ def test_counter_totals_are_exact_and_n_a_when_a_repeat_has_none(tmp_path: Path)
     text = _report(tmp_path / "a", [evaluate_cell("cell", pairs, cancel_bound_s=None,
                                                   tensor_parallel_size=1)])
     assert "| cell | 3703701 / 3 / 0 | 0 / 0 |" in text
-    pairs[1] = Pair("cell", 1, "baseline", _arm("baseline"), _arm("candidate", counters=None))
+    pairs[1] = Pair("cell", 1, "baseline", arm_result("baseline"),
+                    arm_result("candidate", counters=None))
     text = _report(tmp_path / "b", [evaluate_cell("cell", pairs, cancel_bound_s=None,
                                                   tensor_parallel_size=1)])
     assert "| cell | n/a / n/a / n/a | n/a / n/a |" in text
@@ -466,7 +452,7 @@ def test_the_process_tree_and_its_values_are_bounded(tmp_path: Path) -> None:
     assert 0 < len(value) < 1000
 
 
-def test_the_log_slice_is_named_relative_to_the_arm(tmp_path: Path) -> None:
+def test_the_log_slice_is_named_relative_to_thearm_result(tmp_path: Path) -> None:
     """§2 step 7: the record names the arm's own log, relative to the arm's directory,
     with its size (None when the file is gone)."""
     log = tmp_path / "engine.log"

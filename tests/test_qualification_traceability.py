@@ -40,8 +40,9 @@ from qualification.profile import PROFILE_DIR, load_profile
 from qualification.report import write_markdown
 from qualification.runner import build_record
 from qualification.stats import summarize_deltas
-from qualification.verdict import COUNTER_NAMES, ArmResult, Pair, evaluate_cell
+from qualification.verdict import Pair, evaluate_cell
 from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
+from tests.verdict_helpers import arm_result
 
 RECOVERY = "BIDKV_MATRIX_CANCEL_RECOVERY_OK"
 REPO = Path(__file__).resolve().parent.parent
@@ -50,24 +51,10 @@ REPO = Path(__file__).resolve().parent.parent
 # --- §7: the verdict rules' order -------------------------------------------------------
 
 
-def _arm(arm: str, throughput: float, p95: float, *, calls: int = 10, **kw: object) -> ArmResult:
-    counters = dict.fromkeys(COUNTER_NAMES, 0)
-    if arm == "candidate":
-        counters.update(calls=calls, selections=1 if calls else 0,
-                        abstentions=max(calls - 1, 0))
-    fields: dict[str, object] = {
-        "ttft_p50": 0.1, "ttft_p95": 0.2, "latency_p50": p95 / 2, "requests": 4,
-        "completed": 4, "counters": counters, "policy_enabled": arm == "candidate",
-        "short_hash": "h",
-    }
-    fields.update(kw)
-    return ArmResult(arm=arm, throughput=throughput, latency_p95=p95, **fields)  # type: ignore[arg-type]
-
-
 def _cell(candidate: list[tuple[float, float]], calls: list[int], **kw: object) -> str:
     pairs = [
-        Pair("c", r, "baseline", _arm("baseline", 100.0, 10.0),
-             _arm("candidate", thr, p95, calls=n, **kw))
+        Pair("c", r, "baseline", arm_result("baseline", 100.0, 10.0),
+             arm_result("candidate", thr, p95, calls=n, **kw))
         for r, ((thr, p95), n) in enumerate(zip(candidate, calls, strict=True))
     ]
     return evaluate_cell("c", pairs, cancel_bound_s=None, tensor_parallel_size=1).label
@@ -115,8 +102,8 @@ def test_the_calls_per_repeat_are_in_the_record_and_the_report(tmp_path: Path) -
     """§7 rule 3 / §8 ("calls per repeat 63, 0, 63"): the record's cell and report.md's
     verdict table list the candidate's calls in every repeat, in repeat order."""
     pairs = [
-        Pair("ascending", r, "baseline", _arm("baseline", 100.0, 10.0),
-             _arm("candidate", thr, p95, calls=n))
+        Pair("ascending", r, "baseline", arm_result("baseline", 100.0, 10.0),
+             arm_result("candidate", thr, p95, calls=n))
         for r, ((thr, p95), n) in enumerate(zip(UP, [63, 0, 63], strict=True))
     ]
     outcome = evaluate_cell("ascending", pairs, cancel_bound_s=None, tensor_parallel_size=1)

@@ -11,31 +11,8 @@ from collections.abc import Sequence
 import pytest
 
 from qualification.runner import arm_order
-from qualification.verdict import ArmResult, Pair, evaluate_cell
-
-
-def _arm(arm: str, throughput: float, p95: float, *, calls: int = 10, **kw: object) -> ArmResult:
-    counters = {
-        "calls": calls,
-        "selections": 1,
-        "abstentions": calls - 1,
-        "failures": 0,
-        "invalid_selections": 0,
-    }
-    if arm == "baseline":
-        counters = {k: 0 for k in counters}
-    defaults: dict[str, object] = {
-        "ttft_p50": 0.1,
-        "ttft_p95": 0.2,
-        "latency_p50": p95 / 2,
-        "requests": 4,
-        "completed": 4,
-        "counters": counters,
-        "policy_enabled": arm == "candidate",
-        "short_hash": "abc",
-    }
-    defaults.update(kw)
-    return ArmResult(arm=arm, throughput=throughput, latency_p95=p95, **defaults)  # type: ignore[arg-type]
+from qualification.verdict import Pair, evaluate_cell
+from tests.verdict_helpers import arm_result
 
 
 def _pairs(
@@ -50,8 +27,8 @@ def _pairs(
             "cell",
             r,
             "baseline",
-            _arm("baseline", 100.0, 10.0, **(baseline_kw or {})),
-            _arm("candidate", thr, p95, calls=c, **kw),
+            arm_result("baseline", 100.0, 10.0, **(baseline_kw or {})),
+            arm_result("candidate", thr, p95, calls=c, **kw),
         )
         for r, ((thr, p95), c) in enumerate(zip(candidate, calls, strict=True))
     ]
@@ -108,7 +85,7 @@ def test_inconclusive_with_fewer_than_three_pairs() -> None:
 
 def test_gate_failure_is_not_classifiable() -> None:
     pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)])
-    bad = _arm("candidate", 106, 10.0, failed=1, completed=3)
+    bad = arm_result("candidate", 106, 10.0, failed=1, completed=3)
     pairs[1] = Pair("cell", 1, "candidate", pairs[1].baseline, bad)
     outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
     assert outcome.label == "gate-failed"
@@ -296,8 +273,8 @@ def test_a_repeat_without_short_outputs_fails_the_equality_gate() -> None:
     warm-up hash (None == None) is unknown, not equal, so the gate fails."""
     pairs = _pairs([(105, 9.9), (106, 10.0), (107, 10.1)])
     pairs[1] = Pair("cell", 1, "candidate",
-                    _arm("baseline", 100.0, 10.0, short_hash=None),
-                    _arm("candidate", 106, 10.0, short_hash=None))
+                    arm_result("baseline", 100.0, 10.0, short_hash=None),
+                    arm_result("candidate", 106, 10.0, short_hash=None))
     outcome = evaluate_cell("cell", pairs, cancel_bound_s=None, tensor_parallel_size=1)
     gate = {g.name: g for g in outcome.gates}["short-output-identical"]
     assert gate.status == "fail" and gate.detail == "repeat 1: None != None"
