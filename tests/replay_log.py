@@ -3,7 +3,8 @@
 Shared by the replay tests that check the engine's figures against what the scheduler
 decided (tests/test_replay_accounting.py, tests/test_replay_properties.py). With a capacity
 schedule, each step also records the elastic pool's state right after ``schedule()``, and
-after ``ElasticPool.idle`` when the engine emptied after it.
+after ``ElasticPool.idle`` (and the times the engine passed it) when the engine emptied
+after it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class Step:
     finished: list[str] = field(default_factory=list)
     capacity: Capacity | None = None  # None without a capacity schedule
     # The pool after ElasticPool.idle, when the engine emptied after this step before a gap
-    # to the next arrival (a pending shrink reserves the freed blocks then).
+    # to the next arrival (a pending shrink reserves the freed blocks then; the changes
+    # timed inside the gap apply), or for good (the replay's end).
     idle_capacity: Capacity | None = None
+    # The engine's arguments to that call: empty from `now` until the next arrival
+    # (None: the replay ended).
+    idle_window: tuple[float, float | None] | None = None
 
 
 @contextmanager
@@ -101,11 +106,12 @@ def logged_steps(log: list[Step], max_steps: int | None = None) -> Iterator[None
 
     idle = ElasticPool.idle
 
-    def logged_idle(pool: ElasticPool, now: float) -> None:
-        idle(pool, now)
+    def logged_idle(pool: ElasticPool, now: float, until: float | None) -> None:
+        idle(pool, now, until)
         if log:  # the engine empties only after a step
             log[-1].idle_capacity = Capacity(pool.target, pool.effective, pool.used(),
                                              pool.in_shrink)
+            log[-1].idle_window = (now, until)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(offline, "build_scheduler", logging_build)

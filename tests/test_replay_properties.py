@@ -495,13 +495,27 @@ def _check_capacity(case: Case, used: ReplaySettings, run: ArmRun, log: list[Ste
     assert summary["signals_published"] is used.capacity_signals
     assert summary["blocks_per_page"] == used.blocks_per_page
     assert summary["steps_in_shrink"] == sum(s.in_shrink for s in states)
-    # An idle gap's reservation (ElasticPool.idle) can reach below every step's state when
-    # the schedule grows again before the next step.
-    idle = [step.idle_capacity.effective for step in log if step.idle_capacity is not None]
-    assert summary["min_effective_blocks"] == min(usable, *(s.effective for s in states),
-                                                  *idle)
+    # Where the schedule applies: at each step's start and, when the engine empties, at
+    # that moment and at each change timed inside the gap to the next arrival (none after
+    # the end). The engine holds no block then, so a shrink completes at once: the
+    # capacity is the target at each of those points, and can go below every step's
+    # capacity when the schedule grows again before the next step.
+    targets, lows = [usable], [usable]
+    for step, state in zip(log, states, strict=True):
+        targets.append(state.target)
+        lows.append(state.effective)
+        if step.idle_window is None:
+            continue
+        now, until = step.idle_window
+        in_gap = [] if until is None else [t for t, _ in _changes(case, used) if now < t < until]
+        idle_targets = [_target_at(case, used, t, usable) for t in (now, *in_gap)]
+        targets += idle_targets
+        lows += idle_targets
+        after = step.idle_capacity
+        assert after is not None and not after.in_shrink, (step.idle_window, after)
+        assert after.target == after.effective == targets[-1], (step.idle_window, after)
+    assert summary["min_effective_blocks"] == min(lows)
     assert summary["max_overcommit_after_shrink_blocks"] == 0
-    targets = [usable] + [s.target for s in states]
     assert summary["shrinks"] == sum(b < a for a, b in itertools.pairwise(targets))
     assert summary["grows"] == sum(b > a for a, b in itertools.pairwise(targets))
 

@@ -5,7 +5,8 @@ real vLLM block pool may hand out, over simulated time, the way kvcached resizes
 (kvcached-notes.md sections 2, 5 and 8):
 
 * **Growth is immediate**: blocks held back are returned to the pool's free queue (through
-  the pool's own ``free_blocks``) at the first step at or after the change.
+  the pool's own ``free_blocks``) at the first step at or after the change, or at the
+  change itself when the engine is empty then.
 * **A shrink never revokes a block a request holds**: it takes effect only as blocks become
   free. Before every scheduler step, and when the engine empties (before a gap to the next
   arrival, and at the end of the replay: the last requests' blocks are free from that
@@ -286,16 +287,24 @@ class ElasticPool:
             self.max_over_during_shrink = max(self.max_over_during_shrink,
                                               self.used() - self.target)
 
-    def idle(self, now: float) -> None:
-        """The engine holds no request from ``now`` until the next arrival, or ever again
-        (the replay ends at ``now``): a pending shrink takes the blocks the last requests
-        freed now, when they freed them. Left to the next step, the idle gap would count as
-        time in shrink and as part of the shrink's completion time; at the end, the shrink
-        would be left pending though nothing holds a block. Schedule changes still apply at
-        the next step (none after the end)."""
-        if self.in_shrink:
-            self._account(now)
-            self._reserve_free(now - self.origin)
+    def idle(self, now: float, until: float | None) -> None:
+        """The engine holds no request from ``now`` until ``until`` (the next arrival), or
+        ever again (``until`` is ``None``: the replay ends at ``now``).
+
+        Changes timed up to ``now`` apply now, and a pending shrink takes the blocks the
+        last requests freed now, when they freed them. Left to the next step, the idle gap
+        would count as time in shrink and as part of the shrink's completion time; at the
+        end, the shrink would be left pending though nothing holds a block. Each change
+        timed inside the gap applies at its own time (no step runs there to apply it; a
+        shrink there completes at once, every block being free), so a shrink and growth
+        both inside one gap are counted. Changes after the end never apply."""
+        self._apply(now)
+        if until is None:
+            return
+        change = self.next_change_after(now)
+        while change is not None and change < until:
+            self._apply(change)
+            change = self.next_change_after(change)
 
     def _account(self, now: float) -> None:
         t = now - self.origin

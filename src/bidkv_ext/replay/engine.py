@@ -472,7 +472,7 @@ class _Loop:
                 arrived += 1
             if not scheduler.has_unfinished_requests():
                 if elastic is not None:
-                    elastic.idle(now)
+                    elastic.idle(now, requests[arrived].arrival)
                 now = requests[arrived].arrival
                 continue
             self.clock.now = now
@@ -512,7 +512,7 @@ class _Loop:
         if elastic is not None:
             # The last finishes freed their blocks at `now` and the engine is empty, as
             # before an idle gap: a pending shrink takes them then.
-            elastic.idle(now)
+            elastic.idle(now, None)
 
     def _execute(
         self, scheduled: Mapping[str, int]
