@@ -7,8 +7,11 @@ makes these fixtures (and the tests using them) fail, never skip.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -19,6 +22,24 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _private_kvcached_state_dir() -> None:
+    """Keep the suite's kvcached name claims out of the user's state directory.
+
+    A passing kvcached launch check claims its ``KVCACHED_IPC_NAME`` for the process that
+    ran it until that process exits, and several tests run the check in this process: in
+    the user's directory those claims would refuse the user's own launches (and another
+    run of the suite) under the default name while the suite runs. Tests that need a
+    directory of their own still set one.
+    """
+    if "KVCACHED_PROVIDER_STATE_DIR" not in os.environ:
+        private = tempfile.mkdtemp(prefix="bidkv-tests-kvcached-state-")
+        os.environ["KVCACHED_PROVIDER_STATE_DIR"] = private
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+
+
+_private_kvcached_state_dir()
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

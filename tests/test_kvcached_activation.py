@@ -13,7 +13,8 @@ the activation environment alone and with BidKV renders one consistent launch (n
 in common); the per-instance ``KVCACHED_IPC_NAME`` override; on this CPU machine status is
 degraded with our check lines and ``run`` refuses; a failing check makes ``run`` refuse
 with its reason; ``run`` refuses a second launch under the name of an engine that is still
-starting (a real process that loaded the bundle's plugin stands in for it).
+starting (a real process that loaded the bundle's plugin stands in for it), and under the
+name of a ``run`` whose engine has not loaded the plugin yet.
 """
 
 from __future__ import annotations
@@ -207,5 +208,37 @@ def test_run_refuses_the_name_of_a_starting_engine(
     finally:
         first.kill()
         first.wait()
+    assert manager(env, "run", "--dry-run", "--", "vllm", "serve", "m",
+                   python=python).returncode == 0
+
+
+@needs_manager
+def test_run_holds_the_name_before_its_engine_loads_the_plugin(
+    gpu_host: tuple[str, Path], base_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A real ``run`` whose child never loads the plugin (as an engine still importing
+    vLLM): the name is claimed by the ``run`` process from its check on, so a second
+    launch is refused naming it, and passes once the first ``run`` has ended. It used to
+    pass: only the engine's plugin claimed the name."""
+    python, _ = gpu_host
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**base_env, "KVCACHED_PROVIDER_STATE_DIR": str(tmp_path / "state"),
+           "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
+    assert manager(env, "extension", "enable", KV, python=python).returncode == 0
+    first = subprocess.Popen(
+        [python, str(SCRIPT), "run", "--", python, "-c",
+         "import time; print('ready', flush=True); time.sleep(120)"],
+        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "ready\n"
+        refused = manager(env, "run", "--dry-run", "--", "vllm", "serve", "m", python=python)
+        assert refused.returncode == 2
+        assert (f"KVCACHED_IPC_NAME 'vllm_hust_kvcached' is claimed by pid {first.pid} "
+                in refused.stderr)
+    finally:
+        first.terminate()  # the manager forwards it to its child and exits 128 + 15
+        first.communicate(timeout=60)
+    assert first.returncode == 128 + 15
     assert manager(env, "run", "--dry-run", "--", "vllm", "serve", "m",
                    python=python).returncode == 0

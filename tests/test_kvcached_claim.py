@@ -9,7 +9,10 @@ before loading the model) claims the name with a file lock; the launch check
 process holds it, naming the pid, though no control record exists; ``status`` is not
 affected; the claim ends with the process, SIGKILL included; a process that merely exports
 the variable (a shell) claims nothing; a plugin with kvcached off claims nothing; a FIFO at
-the claim's path hangs neither the plugin nor the check. Real
+the claim's path hangs neither the plugin nor the check. A passing launch check claims the
+name for the launcher (``run`` outlives its engine), so a second launch in the engine's
+first seconds is refused; launchers testing at once let exactly one through; one stuck in
+its turn delays the next by at most the turn wait. Real
 processes stand in for the engine: they run the real plugin, without kvcached (which needs a
 CUDA build).
 """
@@ -109,13 +112,13 @@ def test_only_an_engine_with_kvcached_on_claims(dirs: tuple[Path, Path],
                             env=_engine_env(state, shm, **switch))
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert not (state / "claims").exists()
         assert claim.holders(NAME) is None
         assert checks.check_ipc_name(NAME, shm, launching=True) == [
             (True, f"KVCACHED_IPC_NAME is {NAME!r}")]
     finally:
         proc.kill()
         proc.wait()
-    assert not (state / "claims").exists()
 
 
 def test_the_bundle_check_fails_only_for_a_launch(
@@ -166,3 +169,102 @@ def test_a_fifo_at_the_claim_path_hangs_nothing(dirs: tuple[Path, Path], call: s
     assert done.returncode == 0, done.stderr
     expected = "None" if call == "holders" else str(state / "claims" / NAME)
     assert done.stdout.strip() == expected
+
+
+_LAUNCHER = (
+    "import sys\n"
+    "from kvcached_provider import checks\n"
+    "sys.stdin.readline()  # the go signal: every launcher tests at once\n"
+    f"lines = checks.check_ipc_name({NAME!r}, None, launching=True)\n"
+    "print('pass' if all(ok for ok, _ in lines) else 'refused', flush=True)\n"
+    "sys.stdin.readline()  # stays alive, as run does while its engine runs\n"
+)
+
+
+def _launchers(state: Path, shm: Path, count: int) -> list[subprocess.Popen[str]]:
+    return [subprocess.Popen([sys.executable, "-c", _LAUNCHER], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=_engine_env(state, shm)) for _ in range(count)]
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_passing_launch_check_claims_the_name_for_the_launcher(
+    dirs: tuple[Path, Path]
+) -> None:
+    """``run`` outlives its engine, so the claim its check takes covers the engine's first
+    seconds, before vLLM loads the plugin: while the first launcher lives, a second
+    launch check fails naming it, with no engine and no record anywhere. It used to pass
+    (only engines claimed the name)."""
+    state, shm = dirs
+    [first] = _launchers(state, shm, 1)
+    try:
+        assert first.stdin is not None and first.stdout is not None
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        assert first.stdout.readline() == "pass\n"
+        assert claim.holders(NAME) == [first.pid]
+        lines = checks.check_ipc_name(NAME, shm, launching=True)
+        assert [ok for ok, _ in lines] == [True, False]
+        assert lines[1][1].startswith(f"KVCACHED_IPC_NAME {NAME!r} is claimed by pid "
+                                      f"{first.pid} ")
+    finally:
+        _stop([first])
+    assert checks.check_ipc_name(NAME, shm, launching=True) == [
+        (True, f"KVCACHED_IPC_NAME is {NAME!r}")]
+
+
+def test_launch_checks_at_the_same_moment_let_exactly_one_through(
+    dirs: tuple[Path, Path]
+) -> None:
+    """Eight launchers test the same name at once: one passes and holds it, the other
+    seven are refused (test and claim are one step per launcher). Before, all eight
+    passed."""
+    state, shm = dirs
+    launchers = _launchers(state, shm, 8)
+    try:
+        for proc in launchers:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        answers = [proc.stdout.readline() if proc.stdout else "" for proc in launchers]
+        assert sorted(answers) == ["pass\n"] + ["refused\n"] * 7
+        winner = launchers[answers.index("pass\n")]
+        assert claim.holders(NAME) == [winner.pid]
+    finally:
+        _stop(launchers)
+
+
+def test_a_launcher_stuck_in_its_turn_does_not_hang_the_next(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher stopped between test and claim (here a process holding the turn lock
+    for good) costs the next launch at most the turn wait, then the claim is reported
+    unusable and the check falls back to the record check (no conflict line)."""
+    state, shm = dirs
+    (state / "claims").mkdir(parents=True)
+    turn = state / "claims" / f"{NAME}.launch"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(turn)!r}, os.O_RDONLY | os.O_CREAT, 0o600)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)\n"],
+        text=True, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        monkeypatch.setattr(claim, "_TURN_WAIT_SECONDS", 0.2)
+        with pytest.raises(claim.ClaimError, match=(
+                rf"^cannot test the claim .*/claims/{NAME}: another launch has held its "
+                rf"turn \({NAME}\.launch\) for over 0\.2 s$")):
+            claim.claim_for_launch(NAME)
+        assert checks.check_ipc_name(NAME, shm, launching=True) == [
+            (True, f"KVCACHED_IPC_NAME is {NAME!r}")]
+        assert claim.holders(NAME) is None  # nothing was claimed
+    finally:
+        _stop([holder])

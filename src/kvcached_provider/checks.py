@@ -394,12 +394,14 @@ def check_ipc_name(
 ) -> list[CheckLine]:
     """The planned ``KVCACHED_IPC_NAME`` is addressable and, ideally, unique per instance.
 
-    ``launching`` (``run``): a live engine process holding the name's claim (taken when
-    the bundle's plugin loads, before kvcached creates its record), or an existing control
-    record that a live process uses, means another engine runs under this name, and a
-    second would share its control record and limits (kvcached uses an explicit name
-    exactly), so that fails. Otherwise (``status``, possibly of the running engine itself)
-    an existing record is only reported.
+    ``launching`` (``run``): a live process holding the name's claim (another ``run``
+    from its check on, an engine from when the bundle's plugin loads, both before kvcached
+    creates its record), or an existing control record that a live process uses, means
+    another engine runs or starts under this name, and a second would share its control
+    record and limits (kvcached uses an explicit name exactly), so that fails. A free name
+    is claimed for this process until it exits (``run`` outlives its engine). Otherwise
+    (``status``, possibly of the running engine itself) an existing record is only
+    reported.
     """
     if name is None:
         return [(False, (
@@ -427,7 +429,7 @@ def check_ipc_name(
             f"KVCACHED_IPC_NAME is the bundle default {name!r}; engines sharing this host "
             f"need distinct names: set one per instance with {_CONFIGURE_HINT}"
         )))
-    if launching and (claimed := _claim_holders(name)) is not None:
+    if launching and (claimed := _claim_for_launch(name)) is not None:
         lines.append(claimed)
         return lines
     try:
@@ -454,13 +456,14 @@ def check_ipc_name(
     return lines
 
 
-def _claim_holders(name: str) -> CheckLine | None:
-    """A failing line when a live engine process holds ``name``'s claim; an unusable claim
-    file is reported, not taken for a conflict (the record check still runs)."""
-    from kvcached_provider.claim import ClaimError, claim_path, holders
+def _claim_for_launch(name: str) -> CheckLine | None:
+    """A failing line when another live process holds ``name``'s claim, else ``None``
+    with the claim now this process's; an unusable claim file is not taken for a conflict
+    (the record check still runs)."""
+    from kvcached_provider.claim import ClaimError, claim_for_launch, claim_path
 
     try:
-        pids = holders(name)
+        pids = claim_for_launch(name)
     except ClaimError:
         return None
     if pids is None:

@@ -9,14 +9,21 @@ The bundle's plugin is loaded by vLLM in each engine process long before the mod
 (:func:`kvcached_provider.activation.register`), and takes a *shared* ``flock`` on
 ``<state dir>/claims/<name>``, which it keeps until the process exits; the kernel drops it
 then, SIGKILL included, so a claim never outlives its engine. The launch check asks for the
-same lock *exclusively* without waiting: refused means a live engine process holds the
-name. A file lock tells an engine apart from a process that merely exports the variable (a
-shell with it in its profile), which the process environment cannot.
+same lock *exclusively* without waiting: refused means a live engine process, or a launch
+of one, holds the name. A file lock tells an engine apart from a process that merely
+exports the variable (a shell with it in its profile), which the process environment
+cannot.
+
+The launch check also claims the name for the launching process when it finds it free
+(:func:`claim_for_launch`): ``vllm-hust-ext run`` supervises its engine and outlives it, so
+the name is held from the check on, before vLLM has loaded anything, and a second launch
+in the engine's first seconds is refused too. Launchers take turns on ``<claim>.launch``
+for the instant of test-and-claim: ``flock`` cannot turn an exclusive lock into a shared
+one atomically, so two launchers testing at once could otherwise both pass.
 
 The claim lives in the per-user state directory of ``kvcached-provider limit``
-(``KVCACHED_PROVIDER_STATE_DIR``), so it covers the engines of the user who launches.
-Two launches started within the engine's first seconds (before vLLM loads its plugins)
-can still both pass.
+(``KVCACHED_PROVIDER_STATE_DIR``), so it covers the engines of the user who launches. An
+engine started without ``run`` claims the name only when vLLM loads its plugins.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
-__all__ = ["ClaimError", "claim_path", "hold", "holders"]
+__all__ = ["ClaimError", "claim_for_launch", "claim_path", "hold", "holders"]
 
 _PROC = Path("/proc")
 # O_NONBLOCK: opening a FIFO planted at the claim's path must not hang the engine or the
@@ -36,6 +44,11 @@ _OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 # claim file -> descriptor holding the shared lock; never closed: the lock must last as
 # long as the process. A forked child shares the parent's open file, and so its lock.
 _held: dict[Path, int] = {}
+
+# Another launcher holds the turn lock only while it tests and claims (microseconds); one
+# stopped in between (SIGSTOP) must not hang this launch for ever.
+_TURN_WAIT_SECONDS = 5.0
+_TURN_POLL_SECONDS = 0.01
 
 
 class ClaimError(Exception):
@@ -59,11 +72,7 @@ def hold(ipc: str, directory: Path | None = None) -> Path:
     path = claim_path(ipc, directory)
     if path in _held:
         return path
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, _OPEN | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise ClaimError(f"cannot create the claim {path}: {exc.strerror or exc}") from exc
+    fd = _open_creating(path)
     try:
         # Blocking: a launch check holds the lock exclusively only for the instant it tests.
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -72,6 +81,59 @@ def hold(ipc: str, directory: Path | None = None) -> Path:
         raise ClaimError(f"cannot lock the claim {path}: {exc.strerror or exc}") from exc
     _held[path] = fd
     return path
+
+
+def claim_for_launch(ipc: str, directory: Path | None = None) -> list[int] | None:
+    """Claim ``ipc`` for this process (until it exits) unless another process holds it.
+
+    Returns ``None`` when this process holds the claim now (also when it already did), else
+    the live processes holding it, as :func:`holders` names them.
+    """
+    path = claim_path(ipc, directory)
+    if path in _held:
+        return None
+    turn = _open_creating(path.with_name(path.name + ".launch"))
+    try:
+        _take_turn(turn, path)
+        fd = _open_creating(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return _openers(path)
+        except OSError as exc:
+            os.close(fd)
+            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+        # No other holder: keep the claim, shared, so this launch's own engine can join it.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _held[path] = fd
+        return None
+    finally:
+        os.close(turn)  # ends this launcher's turn
+
+
+def _open_creating(path: Path) -> int:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return os.open(path, _OPEN | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ClaimError(f"cannot create the claim {path}: {exc.strerror or exc}") from exc
+
+
+def _take_turn(turn: int, path: Path) -> None:
+    deadline = time.monotonic() + _TURN_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ClaimError(
+                    f"cannot test the claim {path}: another launch has held its turn "
+                    f"({path.name}.launch) for over {_TURN_WAIT_SECONDS:g} s") from None
+            time.sleep(_TURN_POLL_SECONDS)
+        except OSError as exc:
+            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
 
 
 def holders(ipc: str, directory: Path | None = None) -> list[int] | None:
