@@ -289,6 +289,10 @@ def test_a_failed_step_beats_an_unverified_one(
             "launch_options.scheduler_reserve_output_budget must be a boolean",
         ),
         ({"protocol_versions": ["1.0"]}, "protocol_versions must be an object"),
+        (
+            {"protocol_versions": {"vllm.preemption-policy": 1.0}},
+            "protocol_versions.vllm.preemption-policy must be a version string, got 1.0",
+        ),
         ({"host_version": ""}, "host_version must be a non-empty string"),
         ({"host_api_version": 2}, "host_api_version must be a non-empty string"),
     ],

@@ -273,6 +273,13 @@ def _protocol_steps(
     declared = configuration.get("protocol_versions", {})
     if not isinstance(declared, dict):
         raise ValueError("protocol_versions must be an object")
+    for name, value in declared.items():
+        # A number (1.0 for "1.0") is a slip, not a statement that the version is unknown:
+        # reading it as unavailable would send the user after a detection problem.
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"protocol_versions.{name} must be a version string, got {json.dumps(value)}"
+            )
     versions = {**_detected_protocols(manifest.host.name), **declared}
     steps: list[tuple[bool | None, str]] = []
     for protocol in manifest.protocols:
