@@ -182,16 +182,24 @@ def test_failing_check_makes_run_refuse(gpu_host: tuple[str, Path], base_env: di
     assert "kvcached_autopatch.pth is missing from site-packages" in refused.stderr
 
 
-@needs_manager
-def test_run_refuses_the_name_of_a_starting_engine(
-    gpu_host: tuple[str, Path], base_env: dict[str, str], tmp_path: Path
-) -> None:
+@pytest.fixture
+def launch_env(gpu_host: tuple[str, Path], base_env: dict[str, str], tmp_path: Path
+               ) -> tuple[str, dict[str, str]]:
+    """The GPU-host venv's python and an environment with the bundle enabled and private
+    kvcached-provider state and shm directories."""
     python, _ = gpu_host
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {**base_env, "KVCACHED_PROVIDER_STATE_DIR": str(tmp_path / "state"),
            "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
     assert manager(env, "extension", "enable", KV, python=python).returncode == 0
+    return python, env
+
+
+@needs_manager
+def test_run_refuses_the_name_of_a_starting_engine(launch_env: tuple[str, dict[str, str]]
+                                                   ) -> None:
+    python, env = launch_env
     assert manager(env, "run", "--dry-run", "--", "vllm", "serve", "m",
                    python=python).returncode == 0
     first = subprocess.Popen(  # loaded the plugin; kvcached has created no record yet
@@ -214,18 +222,13 @@ def test_run_refuses_the_name_of_a_starting_engine(
 
 @needs_manager
 def test_run_holds_the_name_before_its_engine_loads_the_plugin(
-    gpu_host: tuple[str, Path], base_env: dict[str, str], tmp_path: Path
+    launch_env: tuple[str, dict[str, str]]
 ) -> None:
     """A real ``run`` whose child never loads the plugin (as an engine still importing
     vLLM): the name is claimed by the ``run`` process from its check on, so a second
     launch is refused naming it, and passes once the first ``run`` has ended. It used to
     pass: only the engine's plugin claimed the name."""
-    python, _ = gpu_host
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    env = {**base_env, "KVCACHED_PROVIDER_STATE_DIR": str(tmp_path / "state"),
-           "KVCACHED_PROVIDER_SHM_DIR": str(shm)}
-    assert manager(env, "extension", "enable", KV, python=python).returncode == 0
+    python, env = launch_env
     first = subprocess.Popen(
         [python, str(SCRIPT), "run", "--", python, "-c",
          "import time; print('ready', flush=True); time.sleep(120)"],

@@ -31,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import time
 from pathlib import Path
+
+from kvcached_provider.locking import lock_exclusive_within
 
 __all__ = ["ClaimError", "claim_for_launch", "claim_path", "hold", "holders"]
 
@@ -121,19 +122,14 @@ def _open_creating(path: Path) -> int:
 
 
 def _take_turn(turn: int, path: Path) -> None:
-    deadline = time.monotonic() + _TURN_WAIT_SECONDS
-    while True:
-        try:
-            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise ClaimError(
-                    f"cannot test the claim {path}: another launch has held its turn "
-                    f"({path.name}.launch) for over {_TURN_WAIT_SECONDS:g} s") from None
-            time.sleep(_TURN_POLL_SECONDS)
-        except OSError as exc:
-            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+    try:
+        taken = lock_exclusive_within(turn, _TURN_WAIT_SECONDS, _TURN_POLL_SECONDS)
+    except OSError as exc:
+        raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+    if not taken:
+        raise ClaimError(
+            f"cannot test the claim {path}: another launch has held its turn "
+            f"({path.name}.launch) for over {_TURN_WAIT_SECONDS:g} s")
 
 
 def holders(ipc: str, directory: Path | None = None) -> list[int] | None:

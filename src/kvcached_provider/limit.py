@@ -104,6 +104,7 @@ from kvcached_provider.checks import (
     env_directory,
     shm_dir,
 )
+from kvcached_provider.locking import lock_exclusive_within
 
 __all__ = [
     "ACCEPTED_STATES",
@@ -431,17 +432,7 @@ class _RevisionStore:
         Yields False when another command still held it after ``timeout_s``."""
         fd = self._open_lock(self.directory / "locks" / f"{ipc}.lock")
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        yield False
-                        return
-                    time.sleep(_POLL_S)
-            yield True
+            yield lock_exclusive_within(fd, timeout_s, _POLL_S)
         finally:
             os.close(fd)
 
