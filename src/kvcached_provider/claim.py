@@ -98,13 +98,13 @@ def claim_for_launch(ipc: str, directory: Path | None = None) -> list[int] | Non
         _take_turn(turn, path)
         fd = _open_creating(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            others = _held_by_others(fd, path)
+        except ClaimError:
             os.close(fd)
-            return _openers(path)
-        except OSError as exc:
+            raise
+        if others is not None:
             os.close(fd)
-            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+            return others
         # No other holder: keep the claim, shared, so this launch's own engine can join it.
         fcntl.flock(fd, fcntl.LOCK_SH)
         _held[path] = fd
@@ -146,15 +146,21 @@ def holders(ipc: str, directory: Path | None = None) -> list[int] | None:
     except OSError as exc:
         raise ClaimError(f"cannot read the claim {path}: {exc.strerror or exc}") from exc
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _openers(path)
-        except OSError as exc:
-            raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
-        return None
+        return _held_by_others(fd, path)
     finally:
         os.close(fd)  # also releases the exclusive lock, if taken
+
+
+def _held_by_others(fd: int, path: Path) -> list[int] | None:
+    """Ask for the claim on ``fd`` exclusively without waiting: ``None`` when granted (the
+    caller then holds it exclusively), else the pids holding it, as :func:`holders`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _openers(path)
+    except OSError as exc:
+        raise ClaimError(f"cannot test the claim {path}: {exc.strerror or exc}") from exc
+    return None
 
 
 def _openers(path: Path) -> list[int]:
