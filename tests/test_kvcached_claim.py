@@ -12,13 +12,15 @@ the variable (a shell) claims nothing; a plugin with kvcached off claims nothing
 the claim's path hangs neither the plugin nor the check. A passing launch check claims the
 name for the launcher (``run`` outlives its engine), so a second launch in the engine's
 first seconds is refused; launchers testing at once let exactly one through; one stuck in
-its turn delays the next by at most the turn wait. Real
+its turn delays the next by at most the turn wait; a claim whose lock fails or is
+interrupted keeps no descriptor, and a failed launch claim is one line, not a traceback. Real
 processes stand in for the engine: they run the real plugin, without kvcached (which needs a
 CUDA build).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -268,3 +270,64 @@ def test_a_launcher_stuck_in_its_turn_does_not_hang_the_next(
         assert claim.holders(NAME) is None  # nothing was claimed
     finally:
         _stop([holder])
+
+
+class _FailingSharedLock:
+    """Stands in for the claim module's ``fcntl``: a shared lock fails with ``error``, any
+    other call is the real one. Fault injection: these failures (ENOLCK on a file system
+    without flock, an interrupt while the engine waits out a launch check) cannot be
+    produced on demand here."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(fcntl, name)
+
+    def flock(self, fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_SH:
+            raise self.error
+        fcntl.flock(fd, operation)
+
+
+def _open_on(path: Path) -> list[str]:
+    """This process's descriptors open on ``path``."""
+    target = os.path.realpath(path)
+    fds = Path("/proc/self/fd")
+    return [fd.name for fd in fds.iterdir()
+            if os.path.realpath(fds / fd.name) == target]
+
+
+def test_a_claim_whose_shared_lock_fails_is_refused_in_one_line_and_leaks_nothing(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a free name's exclusive test, the launch claim's shared lock failing (ENOLCK)
+    is a ClaimError naming the claim, so the launch check falls back to the record check;
+    the descriptor is closed and the name stays free. It used to raise the bare OSError
+    (a traceback in ``run``) and keep the descriptor, holding the exclusive lock."""
+    state, shm = dirs
+    path = state / "claims" / NAME
+    monkeypatch.setattr(claim, "fcntl", _FailingSharedLock(OSError(37, "No locks available")))
+    with pytest.raises(claim.ClaimError, match=(
+            rf"^cannot lock the claim .*/claims/{NAME}: No locks available$")):
+        claim.claim_for_launch(NAME)
+    assert _open_on(path) == [] and path not in claim._held
+    assert checks.check_ipc_name(NAME, shm, launching=True) == [
+        (True, f"KVCACHED_IPC_NAME is {NAME!r}")]
+    assert _open_on(path) == []
+    monkeypatch.undo()
+    assert claim.holders(NAME) is None  # free: no exclusive lock was left behind
+
+
+def test_an_engine_interrupted_while_claiming_keeps_no_descriptor(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine interrupted while it waits for the shared lock (Ctrl-C during a launch
+    check's instant) lets the interrupt through and closes the claim's descriptor; it used
+    to keep it open (only an OSError closed it)."""
+    state, _ = dirs
+    path = state / "claims" / NAME
+    monkeypatch.setattr(claim, "fcntl", _FailingSharedLock(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        claim.hold(NAME)
+    assert _open_on(path) == [] and path not in claim._held

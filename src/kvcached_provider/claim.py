@@ -76,10 +76,10 @@ def hold(ipc: str, directory: Path | None = None) -> Path:
     fd = _open_creating(path)
     try:
         # Blocking: a launch check holds the lock exclusively only for the instant it tests.
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError as exc:
+        _lock_shared(fd, path)
+    except BaseException:  # an interrupted wait too: no descriptor outlives a failed claim
         os.close(fd)
-        raise ClaimError(f"cannot lock the claim {path}: {exc.strerror or exc}") from exc
+        raise
     _held[path] = fd
     return path
 
@@ -99,18 +99,27 @@ def claim_for_launch(ipc: str, directory: Path | None = None) -> list[int] | Non
         fd = _open_creating(path)
         try:
             others = _held_by_others(fd, path)
-        except ClaimError:
+            if others is None:
+                # No other holder: keep the claim, shared, so this launch's own engine can
+                # join it.
+                _lock_shared(fd, path)
+        except BaseException:
             os.close(fd)
             raise
         if others is not None:
             os.close(fd)
             return others
-        # No other holder: keep the claim, shared, so this launch's own engine can join it.
-        fcntl.flock(fd, fcntl.LOCK_SH)
         _held[path] = fd
         return None
     finally:
         os.close(turn)  # ends this launcher's turn
+
+
+def _lock_shared(fd: int, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        raise ClaimError(f"cannot lock the claim {path}: {exc.strerror or exc}") from exc
 
 
 def _open_creating(path: Path) -> int:
