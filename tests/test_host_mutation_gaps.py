@@ -1,5 +1,5 @@
 """Behaviours a mutation audit of the stock-vLLM host adapter (``bidkv_ext.hosts.vllm``:
-``rewrite``, ``scheduler``, ``peer_plugin``) found unguarded by any other test.
+``rewrite``, ``scheduler``, ``peer_plugin``, ``offline``) found unguarded by any other test.
 
 - Host check (cpu-host.md section 7.2): a RECORD entry for the scheduler file without a
   hash vouches for nothing ("no RECORD hash", not an AttributeError); a metadata directory
@@ -24,6 +24,9 @@
   subclass; the patched count reaches the summary; each test's setup patches late imports;
   the adapter subclasses default to an abstaining policy (counted as abstentions, the run
   stays stock) but keep a policy the caller passes, and are counted in the summary line.
+- Offline kit: a pool needs 2 blocks (one is the null block); ``run_to_completion``
+  takes at most ``max_steps`` steps; a step digest names its preemptions; a request
+  built with ``ignore_eos=False`` stops at the EOS it samples.
 """
 
 from __future__ import annotations
@@ -535,3 +538,70 @@ def test_peer_schedulers_abstain_by_default_and_are_counted(
     calls = asked.calls + chose.calls
     assert lines == [f"bidkv peer plugin: 5 names substituted, 2 adapter schedulers built, "
                      f"policy asked {calls} times ({asked.abstentions} abstentions)"]
+
+
+# The offline kit (``offline.py``) the host tests, the replay and the peer suite build on.
+
+
+def test_the_smallest_pool_is_two_blocks(vllm_offline: ModuleType) -> None:
+    """One of ``num_gpu_blocks`` is vLLM's null block, so 2 is the smallest usable pool and
+    1 is refused by name. Kills the mutant that accepts 1 (``< 1``)."""
+    with pytest.raises(ValueError, match=r"^num_gpu_blocks must be >= 2 \(one is the null "
+                                         r"block\), got 1$"):
+        vllm_offline.build_vllm_config(num_gpu_blocks=1)
+    vllm_offline.build_vllm_config(num_gpu_blocks=2)
+
+
+def test_run_to_completion_takes_at_most_max_steps(make_scheduler: Callable[..., Any],
+                                                   vllm_offline: ModuleType) -> None:
+    """``max_steps`` is the most steps it takes: a run needing N steps completes with
+    ``max_steps=N`` and is refused with N - 1. Kills the mutant that allows one more
+    (``steps > max_steps``)."""
+    def loaded() -> Any:
+        scheduler = make_scheduler(num_gpu_blocks=64)
+        scheduler.add_request(vllm_offline.make_request("a", list(range(100, 140)), 5, 1.0))
+        return scheduler
+
+    needed = vllm_offline.run_to_completion(loaded())
+    assert needed > 1
+    assert vllm_offline.run_to_completion(loaded(), max_steps=needed) == needed
+    with pytest.raises(RuntimeError, match=rf"^scheduler did not finish within "
+                                           rf"{needed - 1} steps$"):
+        vllm_offline.run_to_completion(loaded(), max_steps=needed - 1)
+
+
+def test_a_step_digest_names_the_steps_preemptions(make_scheduler: Callable[..., Any],
+                                                   vllm_offline: ModuleType) -> None:
+    """The digest the equivalence tests compare covers the step's preempted ids, so two
+    runs that preempt different requests differ. Kills the mutant that leaves them out."""
+    scheduler = make_scheduler(num_gpu_blocks=9)
+    for i in range(3):
+        scheduler.add_request(vllm_offline.make_request(
+            str(i), [1000 * (i + 1) + j for j in range(40)], 40, 10.0 + i))
+    for _ in range(50):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, vllm_offline.runner_output_for(out, scheduler))
+        if out.preempted_req_ids:
+            break
+    else:
+        pytest.fail("no step preempted")
+    assert vllm_offline.schedule_digest(out)[4] == tuple(sorted(out.preempted_req_ids))
+
+
+def test_a_request_that_keeps_eos_stops_at_it(make_scheduler: Callable[..., Any],
+                                              vllm_offline: ModuleType) -> None:
+    """``make_request(..., ignore_eos=False)`` stops at the first EOS it samples, as a real
+    request does (the replay's ``--max-tokens`` caps rely on it); with the default it
+    generates ``max_tokens``. Kills the mutant that always ignores EOS."""
+    finished = {}
+    for keep, rid in ((False, "stops"), (True, "runs-on")):
+        scheduler = make_scheduler(num_gpu_blocks=64)
+        scheduler.add_request(vllm_offline.make_request(
+            rid, list(range(100, 120)), 10, 1.0, ignore_eos=keep))
+        out = scheduler.schedule()
+        sampled = vllm_offline.ModelRunnerOutput(
+            req_ids=[rid], req_id_to_index={rid: 0},
+            sampled_token_ids=[[vllm_offline.EOS_TOKEN_ID]])
+        scheduler.update_from_output(out, sampled)
+        finished[rid] = not scheduler.has_unfinished_requests()
+    assert finished == {"stops": True, "runs-on": False}
