@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -86,6 +88,22 @@ def vllm_offline() -> ModuleType:
     from bidkv_ext.hosts.vllm import offline, scheduler  # noqa: F401  # rewrite must apply
 
     return offline
+
+
+@pytest.fixture(scope="module")
+def rewrite(vllm_offline: ModuleType) -> ModuleType:
+    """The adapter's :mod:`bidkv_ext.hosts.vllm.rewrite` (cpu-host.md section 7.2)."""
+    from bidkv_ext.hosts.vllm import rewrite
+
+    return rewrite
+
+
+@pytest.fixture(scope="module")
+def schedule_source(vllm_offline: ModuleType) -> str:
+    """The installed, unrewritten ``Scheduler.schedule`` source, dedented."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return textwrap.dedent(inspect.getsource(Scheduler.schedule))
 
 
 @pytest.fixture

@@ -65,7 +65,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 import typing
 from collections.abc import Callable
 from functools import partial
@@ -401,20 +400,6 @@ def test_reset_prefix_cache_preempts_every_running_request_without_the_policy(
 
 
 # --- the rewrite, structurally (cpu-host.md §7.2) ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def rewrite(vllm_offline: ModuleType) -> ModuleType:
-    from bidkv_ext.hosts.vllm import rewrite
-
-    return rewrite
-
-
-@pytest.fixture(scope="module")
-def schedule_source(vllm_offline: ModuleType) -> str:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    return textwrap.dedent(inspect.getsource(Scheduler.schedule))
 
 
 def _retry_loop(tree: ast.AST) -> ast.While:

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import sys
-import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -45,21 +43,6 @@ from typing import Any
 import pytest
 
 from tests import test_host_rewrite as shapes
-
-
-@pytest.fixture(scope="module")
-def rewrite(vllm_offline: ModuleType) -> ModuleType:
-    from bidkv_ext.hosts.vllm import rewrite
-
-    return rewrite
-
-
-@pytest.fixture(scope="module")
-def schedule_source(vllm_offline: ModuleType) -> str:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    return textwrap.dedent(inspect.getsource(Scheduler.schedule))
-
 
 # -- host check: RECORD edge cases -----------------------------------------------------------
 

@@ -26,13 +26,6 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def rewrite(vllm_offline: ModuleType) -> ModuleType:
-    from bidkv_ext.hosts.vllm import rewrite
-
-    return rewrite
-
-
-@pytest.fixture(scope="module")
 def schedule_tree(vllm_offline: ModuleType) -> Callable[[], ast.Module]:
     from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -34,8 +34,8 @@ qualification/README.md or the module's own docstring:
   even where an earlier run's report is left in a reused --out; after a non-zero exit a
   malformed report fails the arm, not the run;
 - the command line: an ``--extension-id`` with a line break is bad input (exit 2, one
-  line); a second SIGTERM while the arm's server stops does not cut the stop short (exit
-  143, no orphaned manager or engine).
+  line). (Its second case, a second SIGTERM during the arm's server stop, is a case of
+  tests/test_qualification_serve_edges.py's second-signal test.)
 """
 
 from __future__ import annotations
@@ -45,11 +45,9 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,11 +75,11 @@ from qualification.profile import PROFILE_DIR, Profile, load_profile
 from qualification.replay import MAX_REPORT_DEPTH, arm_from_report, read_report
 from qualification.runner import launch_plan
 from qualification.serve import ServeArm, client_prompt_tokens, serve_command
-from tests.serve_helpers import MANAGER, needs_manager, serve_profile, stand_in_script
+from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
 from tests.test_qualification_cpu_replay import GOOD_REPORT, _fake_replay_profile
 from tests.test_qualification_plans import _plan
 from tests.test_qualification_serve_edges import _serve
-from tests.test_qualification_serve_faults import FAULT_ENGINE, REPO_ROOT, _engines, _survivors
+from tests.test_qualification_serve_faults import FAULT_ENGINE, _engines, _survivors
 from tests.test_qualification_serve_faults import _profile as _faults_profile
 from tests.test_qualification_serve_faults import _run as _faults_run
 
@@ -758,52 +756,3 @@ def test_an_extension_id_with_a_line_break_is_bad_input(
         "qualification: error: --extension-id 'org.x\\nid' is invalid: expected a bundle id\n"
     )
 
-
-@needs_manager
-def test_a_second_sigterm_while_the_server_stops_leaves_no_orphans(tmp_path: Path) -> None:
-    """cli._on_sigterm: "Once: a second SIGTERM must not cut short the stop of the arm's
-    server, whose manager and engine run in their own sessions and would be orphaned"
-    (README: SIGTERM exits 143 after stopping the running arm's server). The engine ignores
-    SIGTERM and marks its arrival, so the second SIGTERM lands inside the stop. Kills
-    dropping the handler's reset to a no-op (the run then exited at once, leaving
-    the manager and engine running)."""
-    (tmp_path / "pids").mkdir()
-    marked = tmp_path / "got-sigterm"
-    engine = FAULT_ENGINE.replace(
-        'if FAULT == "never-healthy":',
-        f'signal.signal(signal.SIGTERM, lambda *_: open({str(marked)!r}, "w").close())\n'
-        'if FAULT == "never-healthy":',
-    )
-    profile = serve_profile(
-        tmp_path, "stop", engine, shutdown_grace_seconds=60, ready_timeout_s=60,
-        server=f'environment = {{ FAKE_PID_DIR = "{tmp_path / "pids"}", '
-        'FAKE_FAULT = "never-healthy" }\n',
-        workload="", cells='name = "c"\nparagraph_repeats = [2]\n',
-    )
-    env = {**os.environ, "PATH": f"{Path(MANAGER).parent}{os.pathsep}{os.environ['PATH']}"}
-    argv = [sys.executable, "-m", "qualification", "run", str(profile), "--quiet"]
-    proc = subprocess.Popen([*argv, "--out", str(tmp_path / "out")], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: bool(_engines(tmp_path)), "the first arm's engine never started")
-        time.sleep(0.5)  # the engine has set its SIGTERM disposition
-        proc.send_signal(signal.SIGTERM)
-        _wait_for(marked.exists, "the run never started to stop the server")
-        proc.send_signal(signal.SIGTERM)  # the run is now waiting for the server to stop
-        _, err = proc.communicate(timeout=60)
-        left = _survivors(tmp_path, within_s=0.5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in _survivors(tmp_path, within_s=0.0):
-            os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM and err.strip() == "qualification: terminated"
-    assert not left, "the arm's manager or engine outlived the run"
-
-
-def _wait_for(condition: Callable[[], bool], failure: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert condition(), failure

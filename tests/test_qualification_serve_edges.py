@@ -111,11 +111,19 @@ def test_an_undecodable_error_body_still_names_the_status(v4_port: int) -> None:
 
 
 @needs_manager
-def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "status", "said"), [
+    (signal.SIGINT, 130, "interrupted"),
+    (signal.SIGTERM, 128 + signal.SIGTERM, "terminated"),
+], ids=["ctrl-c", "sigterm"])
+def test_a_second_signal_while_the_server_stops_leaves_no_orphans(
+    tmp_path: Path, signum: signal.Signals, status: int, said: str
+) -> None:
     """The engine ignores SIGTERM and the manager's grace is long, so the stop takes a
     while; a second SIGINT during it used to end the run at once with the manager and
     engine still running (in their own sessions, holding the port). Now it still exits 130,
-    after the manager has killed the engine."""
+    after the manager has killed the engine. A second SIGTERM likewise (cli._on_sigterm
+    handles it once) exits 143 after the stop; a mutation audit found that case unguarded
+    (the handler's reset to a no-op dropped, the run exited at once)."""
     (tmp_path / "pids").mkdir()
     # The engine ignores SIGTERM but leaves a mark: the run is then inside the server's
     # stop (the manager forwards its first SIGTERM to the engine), where the second SIGINT
@@ -147,12 +155,12 @@ def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path
             time.sleep(0.1)
         assert _engines(tmp_path), "the first arm's engine never started"
         time.sleep(0.5)  # the engine has set its SIGTERM disposition
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         deadline = time.monotonic() + 30
         while not marked.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marked.exists(), "the run never started to stop the server"
-        proc.send_signal(signal.SIGINT)  # the run is now waiting for the server to stop
+        proc.send_signal(signum)  # the run is now waiting for the server to stop
         _, err = proc.communicate(timeout=60)
         left = _survivors(tmp_path, within_s=0.5)
     finally:
@@ -161,5 +169,5 @@ def test_a_second_ctrl_c_while_the_server_stops_leaves_no_orphans(tmp_path: Path
             proc.wait()
         for pid in _survivors(tmp_path, within_s=0.0):
             os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 130 and err.strip() == "qualification: interrupted"
+    assert proc.returncode == status and err.strip() == f"qualification: {said}"
     assert not left, "the arm's manager or engine outlived the run"
