@@ -315,7 +315,7 @@ def test_a_claim_whose_shared_lock_fails_is_refused_in_one_line_and_leaks_nothin
     assert checks.check_ipc_name(NAME, shm, launching=True) == [
         (True, f"KVCACHED_IPC_NAME is {NAME!r}")]
     assert _open_on(path) == []
-    monkeypatch.undo()
+    monkeypatch.setattr(claim, "fcntl", fcntl)  # the real one (undo() would drop `dirs`)
     assert claim.holders(NAME) is None  # free: no exclusive lock was left behind
 
 
