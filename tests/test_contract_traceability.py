@@ -85,6 +85,7 @@ from bidkv_ext.controller import PolicyController, builtin_victim_id, load_polic
 from tests.conftest import drive_workload, seeded_workload
 from tests.policy_helpers import Fixed, cand, ctx, raised_in_another_thread
 from tests.test_host_adapter import Recorder, _pressured, _step, _three_requests
+from tests.test_host_rewrite import assert_shape_refused
 
 REPO = Path(__file__).resolve().parents[1]
 ERROR_TAIL = "; disabling it and restoring the built-in policy for this engine process"
@@ -527,9 +528,7 @@ def test_every_shape_check_names_its_statement(
     ``UnsupportedHostError`` naming the version and the pattern, in one line."""
     tree = ast.parse(schedule_source)
     mutate(tree)
-    with pytest.raises(rewrite.UnsupportedHostError, match=message) as info:
-        rewrite.rewrite_schedule_source(ast.unparse(tree), version="0.33.0")
-    assert "vLLM 0.33.0" in str(info.value) and "\n" not in str(info.value)
+    assert_shape_refused(rewrite, tree, message)
 
 
 SPEC_SHA256 = "d76cc22257550972137df9c893505d0bd0f5d482374691e6eca4372772de501a"

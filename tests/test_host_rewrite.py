@@ -26,11 +26,17 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def schedule_tree(vllm_offline: ModuleType) -> Callable[[], ast.Module]:
-    from vllm.v1.core.sched.scheduler import Scheduler
+def schedule_tree(schedule_source: str) -> Callable[[], ast.Module]:
+    """A fresh parse of the installed ``schedule`` per call, for a test to mutate."""
+    return lambda: ast.parse(schedule_source)
 
-    source = textwrap.dedent(inspect.getsource(Scheduler.schedule))
-    return lambda: ast.parse(source)
+
+def assert_shape_refused(rewrite: ModuleType, tree: ast.Module, message: str) -> None:
+    """The rewrite refuses ``tree`` in one line matching ``message`` and naming the version
+    (cpu-host.md section 7.2): a shape it was not verified against is never rewritten."""
+    with pytest.raises(rewrite.UnsupportedHostError, match=message) as info:
+        rewrite.rewrite_schedule_source(ast.unparse(tree), version="0.33.0")
+    assert "vLLM 0.33.0" in str(info.value) and "\n" not in str(info.value)
 
 
 def _priority_ifs(tree: ast.Module) -> list[ast.If]:
@@ -283,9 +289,7 @@ def test_non_matching_shape_names_the_statement(
     is refused at class creation naming the statement, never rewritten wrongly."""
     tree = schedule_tree()
     mutate(tree)
-    with pytest.raises(rewrite.UnsupportedHostError, match=message) as info:
-        rewrite.rewrite_schedule_source(ast.unparse(tree), version="0.33.0")
-    assert "vLLM 0.33.0" in str(info.value)
+    assert_shape_refused(rewrite, tree, message)
 
 
 def test_source_that_does_not_parse(rewrite: ModuleType) -> None:
@@ -318,9 +322,7 @@ def test_each_rollback_name_is_required(
     assert set(rewrite._ROLLBACK_NAMES) <= set(ROLLBACK_NAMES)  # keep this list complete
     tree = schedule_tree()
     _drop_rollback_name(tree, name)
-    message = rf"rollback .* does not use {name} \(supported"
-    with pytest.raises(rewrite.UnsupportedHostError, match=message):
-        rewrite.rewrite_schedule_source(ast.unparse(tree), version="0.33.0")
+    assert_shape_refused(rewrite, tree, rf"rollback .* does not use {name} \(supported")
 
 
 def _fake_dist(root: Path, name: str, files: dict[str, str]) -> None:
