@@ -3,7 +3,8 @@
 Preferred: Prometheus deltas of ``vllm:preemption_policy_events{event=...}`` and the
 ``vllm:preemption_policy_enabled`` gauge (vLLM-HUST hosts). Then the manager's runtime
 evidence JSONL (controller events carry ``export_stats()``). Last: the engine log's
-``Preemption policy initialized: policy=X enabled=Y`` line (enabled flag only).
+``Preemption policy initialized: policy=X enabled=Y`` line (enabled flag only). The
+log also gives the tensor-parallel ranks seen (``tp_ranks_from_log``).
 """
 
 from __future__ import annotations
@@ -145,3 +146,12 @@ def enabled_from_log(text: str) -> tuple[bool | None, str | None]:
         return None, None
     policy, enabled = lines[-1]
     return enabled and policy != "builtin", policy
+
+
+def tp_ranks_from_log(text: str, pattern: str) -> tuple[int, ...]:
+    """The distinct ranks ``pattern``'s one group captured in the log, ascending.
+
+    A capture that is not a decimal number names no rank: the pattern may be loose. Any
+    Unicode decimal digits count, as ``int`` reads them; other digits (``²``) do not, since
+    ``int`` refuses them."""
+    return tuple(sorted({int(m) for m in re.findall(pattern, text) if m.isdecimal()}))

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -42,6 +41,7 @@ from qualification.evidence import (
     gauge,
     metric_delta,
     parse_prometheus,
+    tp_ranks_from_log,
 )
 from qualification.figures import serve_figures
 from qualification.manager import Arm, ManagerSession
@@ -396,9 +396,7 @@ class ServeArm:
             graph = server.graph_capture_pattern in log_text
         ranks = None
         if self.profile.tensor_parallel_size > 1 and server.tp_rank_pattern:
-            found = re.findall(server.tp_rank_pattern, log_text)
-            # A capture that is not a number names no rank (the pattern may be loose).
-            ranks = tuple(sorted({int(m) for m in found if m.isdecimal()}))
+            ranks = tp_ranks_from_log(log_text, server.tp_rank_pattern)
         # Every latency figure once, from the completed requests; the gated four become
         # fields, the rest go to ``extra``.
         figures = serve_figures(load.results, load.makespan)

@@ -6,7 +6,8 @@ prompt tokens the server reported (None when a response carried no usage). The p
 facts an arm reads (qualification.md §4) are guarded too: Prometheus counter deltas summed
 over label sets and the enabled gauge (1 is enabled), the manager evidence's largest
 counters with torn lines skipped and the last enabled flag, and the engine log's last
-initialisation line (the built-in victim never counts as an enabled policy)."""
+initialisation line (the built-in victim never counts as an enabled policy), and the TP
+ranks the log names (decimal captures only)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from qualification.evidence import (
     counters_from_metrics,
     enabled_from_log,
     parse_prometheus,
+    tp_ranks_from_log,
 )
+from qualification.profile import load_profile
 from tests.serve_helpers import needs_manager, serve_profile, stand_in_script
 
 RECOMPUTE = 7
@@ -185,3 +188,16 @@ def test_policy_enabled_from_the_engine_log() -> None:
     assert enabled_from_log(restarted) == (True, "bidkv_ext.selector.P")  # the last line
     assert enabled_from_log(line.format("builtin", "True")) == (False, "builtin")
     assert enabled_from_log("no such line") == (None, None)
+
+
+def test_tp_ranks_are_the_decimal_captures_of_the_pattern() -> None:
+    """qualification.md §6 gate 5 compares the TP ranks each arm's log names. A loose
+    pattern may capture words: only a decimal capture is a rank, in any script ``int``
+    reads (``٢`` is 2), and ``²`` (a digit ``int`` refuses) is none rather than a crash
+    of the arm. Each rank once, ascending."""
+    log = "\n".join(f"worker rank={r} ready" for r in ("3", "0", "x", "-1", "²", "٢", "3"))
+    assert tp_ranks_from_log(log, r"rank=(\S+)") == (0, 2, 3)
+    ascend = load_profile("ascend-tp4").server
+    assert ascend is not None and ascend.tp_rank_pattern
+    assert tp_ranks_from_log("(W TP rank 1) (W tp_rank=0)", ascend.tp_rank_pattern) == (0, 1)
+    assert tp_ranks_from_log("no ranks here", ascend.tp_rank_pattern) == ()
