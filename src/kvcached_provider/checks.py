@@ -829,10 +829,38 @@ def _option_name(arg: str) -> tuple[str, str | None]:
 
 
 def _truthy(value: object) -> bool:
-    """pydantic's reading of a boolean field (``true``/``1``/``yes``/``on``/``t``/``y``)."""
+    """pydantic's (lax) reading of a boolean field as true: ``true``/``1``/``yes``/``on``/
+    ``t``/``y`` in any case, ``True``, or the number 1 -- an int or a float (``1.0``)."""
     if isinstance(value, str):
         return value.strip().lower() in _TRUE_WORDS
-    return value is True or (type(value) is int and value == 1)
+    return value is True or (type(value) in (int, float) and value == 1)
+
+
+# vLLM's human-readable integers: a decimal multiplier (k, m, g, t) takes a fraction, a
+# binary one (K, M, G, T) only a whole number.
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_HUMAN_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                      "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _dotted_value(text: str) -> object:
+    """A dotted option's value as vLLM 0.33.0 reads it: the JSON it parses as (``1.0``,
+    ``"true"``), else a human-readable integer (``+1``, ``01``, ``0.001k``), else the text."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    stripped = text.strip()
+    found = _HUMAN_INT.fullmatch(stripped)
+    try:
+        if found is None:
+            return int(stripped)
+        number, suffix = found.groups()
+        if suffix.islower():
+            return int(float(number) * _HUMAN_MULTIPLIERS[suffix])
+        return int(number) * _HUMAN_MULTIPLIERS[suffix]
+    except (ValueError, OverflowError):
+        return text
 
 
 def _config_file_options(command: Sequence[str]) -> list[str]:
@@ -904,7 +932,7 @@ def _kv_events_requested(command: Sequence[str]) -> bool:
         if option != _KV_EVENTS_OPTION:
             if option == _KV_EVENTS_FLAG:
                 # With no value it reads as a bare flag: refuse what the user evidently meant.
-                dotted = value is None or value.startswith("-") or _truthy(value)
+                dotted = value is None or value.startswith("-") or _truthy(_dotted_value(value))
             elif dotted is None:
                 dotted = False  # another field alone: the dotted value leaves events off
             continue
