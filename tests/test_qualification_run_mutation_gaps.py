@@ -54,7 +54,6 @@ from tests.test_qualification_serve_faults import FAULT_ENGINE, _engines, _survi
 from tests.test_qualification_serve_faults import _profile as _faults_profile
 from tests.test_qualification_serve_faults import _run as _faults_run
 
-
 # ---------------------------------------------------------------- the serve arm
 
 
