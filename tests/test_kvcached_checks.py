@@ -631,10 +631,19 @@ def test_kv_events_read_as_vllms_own_parser_reads_them(
     exactly the commands after which vLLM's ``kv_events_config.enable_kv_cache_events`` is
     on, including options read from a ``--config`` YAML file."""
     monkeypatch.chdir(tmp_path)
+    assert_kv_events_read_as_vllm(config, tail, refused, "serve.yaml")
+
+
+def assert_kv_events_read_as_vllm(
+    config: str | None, tail: list[str], refused: bool, config_name: str
+) -> None:
+    """vLLM's parser, given ``tail`` after ``--config <config_name>`` holding ``config``
+    (in the working directory; no file when None), turns KV-cache events on exactly when
+    ``refused``, and the check refuses exactly then."""
     args = list(tail)
     if config is not None:
-        Path("serve.yaml").write_text(config, encoding="utf-8")
-        args = ["--config", "serve.yaml", *args]
+        Path(config_name).write_text(config, encoding="utf-8")
+        args = ["--config", config_name, *args]
     parsed = _vllm_parser().parse_args(args).kv_events_config
     assert bool(parsed is not None and parsed.enable_kv_cache_events) is refused
     assert bool(checks.check_kv_events(["vllm", "serve", "m", *args])) is refused

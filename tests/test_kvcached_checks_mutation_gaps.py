@@ -44,7 +44,12 @@ from pathlib import Path
 import pytest
 
 from kvcached_provider import checks, claim
-from tests.test_kvcached_checks import MANIFEST, _vllm_parser, fake_dist, site
+from tests.test_kvcached_checks import (
+    MANIFEST,
+    assert_kv_events_read_as_vllm,
+    fake_dist,
+    site,
+)
 from tests.test_kvcached_claim import NAME, dirs, engine
 from tests.test_kvcached_cleanup import ipc, record, shm
 from tests.test_kvcached_tuning_env import LIBC
@@ -246,15 +251,10 @@ def test_kv_events_read_as_vllm_reads_them(
     config: str | None, tail: list[str], refused: bool,
 ) -> None:
     """Rule: the check refuses exactly the commands after which vLLM 0.33.0's
-    ``kv_events_config.enable_kv_cache_events`` is on; vLLM's real parser is the oracle."""
+    ``kv_events_config.enable_kv_cache_events`` is on; vLLM's real parser is the oracle
+    (the file is ``.yml`` here, ``.yaml`` in tests/test_kvcached_checks.py)."""
     monkeypatch.chdir(tmp_path)
-    args = list(tail)
-    if config is not None:
-        Path("serve.yml").write_text(config, encoding="utf-8")
-        args = ["--config", "serve.yml", *args]
-    parsed = _vllm_parser().parse_args(args).kv_events_config
-    assert bool(parsed is not None and parsed.enable_kv_cache_events) is refused
-    assert bool(checks.check_kv_events(["vllm", "serve", "m", *args])) is refused
+    assert_kv_events_read_as_vllm(config, tail, refused, "serve.yml")
 
 
 # --------------------------------------------------------------- kvcached-provider
