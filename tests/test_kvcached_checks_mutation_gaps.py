@@ -37,13 +37,17 @@ the bundle's plugin (``tests/test_kvcached_claim.py``); locks, files and vLLM's 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvcached_provider import checks, claim
+from kvcached_provider import checks, claim, cli
+from kvcached_provider.cli import main
+from tests.fake_kvcached import provider_dirs
 from tests.test_kvcached_checks import (
     MANIFEST,
     assert_kv_events_read_as_vllm,
@@ -264,8 +268,6 @@ def test_check_ipc_names_the_instance_checked(capsys: pytest.CaptureFixture[str]
     """Rule: ``kvcached-provider check --ipc NAME`` checks NAME, not the bundle's default.
     Mutant: the configuration built without ``--ipc`` (``configuration = {}``), which
     checked 'vllm_hust_kvcached' whatever was asked."""
-    from kvcached_provider.cli import main
-
     assert main(["check", "--ipc", "llama-8000"]) == 1
     out = capsys.readouterr().out
     assert "ok   KVCACHED_IPC_NAME is 'llama-8000'\n" in out
@@ -278,11 +280,6 @@ def test_check_finds_the_manifest_of_a_wheel_install(tmp_path: Path) -> None:
     use). Mutant: ``_MANIFEST_CANDIDATES`` without the wheel's location, which checked no
     instance name at all (``KVCACHED_IPC_NAME is not set``) from a wheel. The package is
     copied into a directory laid out as a wheel installs it, and run from there."""
-    import shutil
-    import subprocess
-
-    from kvcached_provider import cli
-
     site_packages = tmp_path / "lib" / "site-packages"
     shutil.copytree(Path(cli.__file__).parent, site_packages / "kvcached_provider",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -305,9 +302,6 @@ def test_limit_waits_its_documented_default(
     """Rule: ``limit`` waits 5 s for the engine unless ``--timeout`` says otherwise (the
     module's and ``--help``'s "default 5"). Mutant: another ``--timeout`` default. No engine
     runs: the command reports the wait it gave the engine."""
-    from kvcached_provider.cli import main
-    from tests.fake_kvcached import provider_dirs
-
     provider_dirs(tmp_path, monkeypatch, "inst1")
     monkeypatch.delenv("KVCACHED_IPC_NAME")
     assert main(["limit", "--ipc", "inst1", "1G"]) == 1
@@ -320,8 +314,6 @@ def test_the_sigterm_handler_is_put_back(capsys: pytest.CaptureFixture[str]) -> 
     """Rule: ``main`` turns SIGTERM into an interrupt only while a command runs, then puts
     the caller's handler back (the manager and the tests call it in-process). Mutant: the
     ``finally`` not restoring it."""
-    from kvcached_provider.cli import main
-
     def mine(signum: int, frame: object) -> None:
         pass
 
@@ -338,8 +330,6 @@ def test_cleanup_dry_run_removes_nothing(shm: Path, ipc: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Rule: ``kvcached-provider cleanup --dry-run`` only reports. Mutant: ``--dry-run`` not
     passed on (``dry_run=False``), which removed the leaked record it was to report."""
-    from kvcached_provider.cli import main
-
     path = record(shm, ipc)
     main(["cleanup", "--ipc", ipc, "--dry-run"])
     assert capsys.readouterr().out.splitlines() == [f"would remove {path}"]
@@ -353,8 +343,6 @@ def test_a_sigterm_outside_a_limit_exits_143_without_a_traceback(
     and no traceback. Mutant: ``_main`` without its ``except KeyboardInterrupt``, which let
     the interrupt escape ``main``. A real SIGTERM, sent to this process from inside the
     first check, stands in for an operator's ``kill``."""
-    from kvcached_provider.cli import main
-
     def terminated() -> tuple[bool, str]:
         os.kill(os.getpid(), signal.SIGTERM)
         return True, "not reached"
@@ -376,8 +364,6 @@ def test_a_broken_pipe_other_than_standard_outputs_is_not_silenced(
     """Rule: only a reader leaving standard output ends the command quietly (status 141);
     any other broken pipe is an error that shows. Mutant: ``main`` without its
     ``_stdout_reader_left`` test, which took every BrokenPipeError for a closed stdout."""
-    from kvcached_provider.cli import main
-
     def broken(*_: object) -> list[tuple[bool, str]]:
         raise BrokenPipeError(32, "Broken pipe (a helper's pipe, not stdout)")
 

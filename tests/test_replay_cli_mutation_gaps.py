@@ -51,6 +51,7 @@ from bidkv_ext.replay.arms import (
 )
 from bidkv_ext.replay.cli import main
 from bidkv_ext.selector import BidkvPreemptionPolicy
+from bidkv_ext.strategies import STRATEGY_NAMES
 from tests.conftest import HAVE_VLLM
 from tests.policy_helpers import cand, ctx
 from tests.test_replay_cli_errors import _refused
@@ -117,8 +118,6 @@ def test_an_unknown_policy_lists_every_accepted_name(capsys: pytest.CaptureFixtu
     """An unknown ``--policies`` name is refused listing every accepted name, the reference
     arms included. Kills ``sorted(known | {CLAIRVOYANT, REFERENCE_BIDKV})`` ->
     ``sorted(known)`` (the message then hid two names the flag takes)."""
-    from bidkv_ext.strategies import STRATEGY_NAMES
-
     accepted = ", ".join(sorted({*STRATEGY_NAMES, "clairvoyant", "bidkv-0.2.1"}))
     assert _refused(capsys, tmp_path, "--policies", "bidkv,nosuch") == (
         f"bidkv-replay: error: --policies: unknown policy 'nosuch'; accepted: {accepted}")
@@ -204,13 +203,6 @@ def test_a_policy_class_path_walks_dotted_attributes() -> None:
                         policy_classes=[f"{__name__}:_Policies.First"], seed=0)
     assert arm.label == f"{__name__}:_Policies.First"
     assert arm.factory({}) is _FirstCandidate
-
-
-def test_one_gpu_block_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """``--num-gpu-blocks`` counts the null block, so 1 leaves no usable block: refused
-    with the accepted range. Kills ``not 2 <= blocks`` -> ``not 1 <= blocks``."""
-    assert _refused(capsys, tmp_path, "--num-gpu-blocks", "1") == (
-        "bidkv-replay: error: --num-gpu-blocks must be between 2 and 10,000,000, got 1")
 
 
 def test_a_token_budget_equal_to_the_sequence_cap_is_accepted(
@@ -403,33 +395,21 @@ def test_additional_config_that_is_not_an_object_is_refused(
         "bidkv-replay: error: --additional-config must contain a JSON object")
 
 
-def test_a_zero_rate_scale_is_refused_naming_the_flag(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """``--rate-scale 0`` is refused by the number checks, naming the flag and what it takes
-    (not later by the trace window's own check, whose message names no flag). Kills
-    ``args.rate_scale > 0`` -> ``>= 0``."""
-    assert _refused(capsys, tmp_path, "--rate-scale", "0") == (
-        "bidkv-replay: error: --rate-scale must be a finite number > 0, got 0.0")
-
-
-@pytest.mark.parametrize(("flag", "expected"), [
-    ("--max-requests", "--max-requests must be >= 1, got 0"),
-    ("--blocks-per-page", "--blocks-per-page must be >= 1, got 0"),
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    # --num-gpu-blocks counts the null block, so 1 leaves no usable block.
+    ("--num-gpu-blocks", "1", "--num-gpu-blocks must be between 2 and 10,000,000, got 1"),
+    ("--max-requests", "0", "--max-requests must be >= 1, got 0"),
+    ("--blocks-per-page", "0", "--blocks-per-page must be >= 1, got 0"),
+    ("--rate-scale", "0", "--rate-scale must be a finite number > 0, got 0.0"),
+    ("--duration", "0", "--duration must be a finite number of seconds > 0, got 0.0"),
 ])
-def test_a_zero_count_is_refused_naming_the_flag(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, expected: str
+def test_each_number_check_refuses_its_exact_bound(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str, expected: str
 ) -> None:
-    """``--max-requests 0`` and ``--blocks-per-page 0`` are refused by the number checks
-    with the flag and its bound (not later, as an empty window or a geometry error). Kills
-    ``< 1`` -> ``< 0`` in either check."""
-    assert _refused(capsys, tmp_path, flag, "0") == f"bidkv-replay: error: {expected}"
-
-
-def test_a_zero_duration_is_refused_naming_the_flag(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """``--duration 0`` is an empty window: refused by the number checks naming the flag
-    (not later as 'no request left'). Kills ``duration > 0`` -> ``duration >= 0``."""
-    assert _refused(capsys, tmp_path, "--duration", "0") == (
-        "bidkv-replay: error: --duration must be a finite number of seconds > 0, got 0.0")
+    """The number checks refuse the first value outside each flag's range, naming the flag
+    and what it takes, before any later check could refuse it without the flag's name (an
+    empty window, 'no request left', a geometry error). Kills, one case each: ``not 2 <=
+    blocks`` -> ``not 1 <= blocks``; ``< 1`` -> ``< 0`` in the --max-requests and
+    --blocks-per-page checks; ``args.rate_scale > 0`` -> ``>= 0``; ``duration > 0`` ->
+    ``duration >= 0``."""
+    assert _refused(capsys, tmp_path, flag, value) == f"bidkv-replay: error: {expected}"
