@@ -665,6 +665,11 @@ def test_a_manifest_number_json_reads_is_accepted_as_the_official_manager_does(
     ({"METADATA": b"Name: \xff\n"}, "distribution METADATA cannot be read"),
     ({"METADATA": b"Metadata-Version: 2.1\nVersion: 1.0\n"}, "has no distribution name"),
     ({"METADATA": b"Metadata-Version: 2.1\nName: \nVersion: 1.0\n"}, "has no distribution name"),
+    # A Version field missing or empty: pip never installs one, but a hand-made or damaged
+    # METADATA can; ``dist.version`` would be None here and a KeyError on newer Pythons.
+    ({"METADATA": b"Metadata-Version: 2.1\nName: broken-bundle\n"}, "has no distribution version"),
+    ({"METADATA": b"Metadata-Version: 2.1\nName: broken-bundle\nVersion: \n"},
+     "has no distribution version"),
     ({"manifest": b"[" * 100_000 + b"]" * 100_000}, "manifest cannot be read as JSON"),
     # An integer over the int/str digit limit: json.loads raises a plain ValueError.
     ({"manifest": b'{"schema_version": 1' + b"0" * 5000 + b"}"}, "manifest cannot be read as JSON"),

@@ -14,6 +14,7 @@ a live ``effective`` line of another bundle is not this bundle's runtime evidenc
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import socket
 import threading
@@ -170,6 +171,51 @@ def test_an_undecodable_host_metadata_is_one_line_naming_the_host(
     # A declared host_version is the operator's word: the METADATA is not read then.
     set_state(tmp_path, {BUNDLE: {"enabled": True, "configuration": {"host_version": "9.1"}}})
     assert _status(capsys)["evidence"][0] == "host version 9.1 satisfies the declared range"
+
+
+def _missing_keys_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What importlib.metadata has deprecated since Python 3.12 and promises next: ``[]``
+    on a METADATA field that is absent raises KeyError instead of returning None. Patched
+    on the one method that answers ``[]``; nothing else of importlib changes."""
+    original = importlib.metadata._adapters.Message.__getitem__
+
+    def getitem(self: Any, key: str) -> Any:
+        value = original(self, key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    monkeypatch.setattr(importlib.metadata._adapters.Message, "__getitem__", getitem)
+
+
+@pytest.mark.parametrize("metadata, newer_python", [
+    (b"Metadata-Version: 2.1\nName: fakehost\n", False),
+    (b"Metadata-Version: 2.1\nName: fakehost\n", True),
+    (b"Metadata-Version: 2.1\nName: fakehost\nVersion: \n", False),
+], ids=["no-field", "no-field-keyerror", "empty"])
+def test_a_host_metadata_without_a_version_is_unknown_not_an_error(
+    site: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    metadata: bytes,
+    newer_python: bool,
+) -> None:
+    """§5.2 step 1: a host METADATA with no (or an empty) Version field leaves the host
+    version unavailable, so compatibility is unverified, as for no host at all. Where
+    importlib raises KeyError for the missing field, reading ``dist.version`` made
+    ``status`` exit 2 with "internal error: KeyError: 'Version'"; an empty version was
+    judged outside the range."""
+    if newer_python:
+        _missing_keys_raise(monkeypatch)
+    document = _with(BASE, host__name="fakehost", host__version_range=">=9,<10")
+    install(site, {BUNDLE: document})
+    _fake_host(site, contract=True)
+    (site / "fakehost-9.1.dist-info" / "METADATA").write_bytes(metadata)
+    set_state(tmp_path, {BUNDLE: {"enabled": True, "configuration": {}}})
+    shown = _status(capsys)
+    assert "incompatible" not in shown["states"]
+    assert shown["evidence"][0] == "host version is unavailable; compatibility is unverified"
 
 
 def test_a_passed_qualification_never_lifts_an_unknown_result(

@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import Distribution, EntryPoint, entry_points
+from importlib.metadata import Distribution, EntryPoint, PackageMetadata, entry_points
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -208,17 +208,28 @@ def _manifest_path(
     return matches[0]
 
 
+def metadata_field(fields: PackageMetadata, key: str) -> str | None:
+    """The first ``key`` field of a METADATA, or None when it has none, on every Python:
+    ``fields[key]`` (and ``dist.version``, which is ``fields["Version"]``) gives None on
+    3.11 despite its annotation, and a KeyError once importlib drops that deprecated None."""
+    values = fields.get_all(key)
+    return str(values[0]) if values else None
+
+
 def _load(registration: EntryPoint) -> InstalledBundle:
     bundle_id = registration.name
     dist = registration.dist
     if dist is None:
         raise DiscoveryError(f"{bundle_id!r} has no distribution metadata")
     try:
-        dist_name = dist.metadata["Name"]
+        fields = dist.metadata
+        dist_name, dist_version = metadata_field(fields, "Name"), metadata_field(fields, "Version")
     except (OSError, ValueError) as error:  # undecodable METADATA
         raise DiscoveryError(f"{bundle_id!r} distribution METADATA cannot be read") from error
     if not isinstance(dist_name, str) or not dist_name:
         raise DiscoveryError(f"{bundle_id!r} has no distribution name")
+    if not isinstance(dist_version, str) or not dist_version:
+        raise DiscoveryError(f"{bundle_id!r} has no distribution version")
     if not _STATIC_DIRECTORY.fullmatch(registration.value):
         raise DiscoveryError(f"{bundle_id!r} must register a static module directory")
     # One reading of the RECORD serves the manifest and the plugin modules.
@@ -231,7 +242,7 @@ def _load(registration: EntryPoint) -> InstalledBundle:
     if manifest.extension_id != bundle_id:
         raise DiscoveryError(f"registration {bundle_id!r} does not match {manifest.extension_id!r}")
     _check_plugins(bundle_id, dist, dist_name, recorded, manifest)
-    return InstalledBundle(bundle_id, dist_name, dist.version, path, manifest, raw)
+    return InstalledBundle(bundle_id, dist_name, dist_version, path, manifest, raw)
 
 
 def _registrations() -> dict[str, list[EntryPoint]]:

@@ -32,6 +32,7 @@ from hust_ext_manager.discovery import (
     DiscoveryError,
     InstalledBundle,
     file_exists,
+    metadata_field,
     source_roots,
 )
 from hust_ext_manager.jsonio import same_json
@@ -122,18 +123,18 @@ def host_has_preemption_contract(host_name: str = "vllm") -> bool:
 
 def _installed_version(host_name: str) -> str | None:
     """The installed host distribution's version; None when it is not installed or its
-    METADATA has no Version field (importlib then gives None despite its annotation)."""
+    METADATA has no Version field."""
     dist = _host_distribution(host_name)
     if dist is None:
         return None
     try:
-        version = dist.version
+        version = metadata_field(dist.metadata, "Version")
     except (OSError, ValueError) as error:  # undecodable METADATA (UnicodeDecodeError)
         raise ValueError(
             f"host distribution {host_name!r} METADATA cannot be read, so its version is "
             f"unknown: reinstall {host_name}"
         ) from error
-    return version if isinstance(version, str) else None
+    return version or None
 
 
 def _detected_protocols(host_name: str) -> dict[str, str]:
@@ -438,10 +439,10 @@ def _canonical_name(dist: importlib.metadata.Distribution) -> str | None:
     read). Discovery refuses such a distribution as a bundle's own, so its hooks are never
     the bundle's."""
     try:
-        name = dist.metadata["Name"]
-    except (OSError, ValueError, KeyError):  # undecodable; KeyError: newer Pythons, no Name
+        name = metadata_field(dist.metadata, "Name")
+    except (OSError, ValueError):  # undecodable
         return None
-    return canonicalize_name(name) if isinstance(name, str) and name else None
+    return canonicalize_name(name) if name else None
 
 
 def bundle_checks(
