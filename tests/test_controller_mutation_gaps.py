@@ -20,8 +20,9 @@
   its budget the verdict is the barrier (no eligible candidate), otherwise it is not.
 - Boolean settings (config ``_strict_bool``, its message "1/0, true/false, yes/no, on/off"):
   every listed spelling is read, in any letter case.
-- Bounds (README configuration table): ``DEFAULT_MAX_TOKENS`` and ``PREFILL_CHUNK_TOKENS``
-  are whole numbers above 0, ``CACHE_SURVIVAL`` is 0 to 1, ``COMPLETION_HORIZON`` is above 0.
+- Bounds (README configuration table): ``EPSILON`` is above 0; ``BLOCK_SIZE``,
+  ``DEFAULT_MAX_TOKENS`` and ``PREFILL_CHUNK_TOKENS`` are whole numbers above 0,
+  ``CACHE_SURVIVAL`` is 0 to 1, ``COMPLETION_HORIZON`` is above 0.
 - The config is frozen (config module doc, "one validated, frozen model").
 - Defaults (docs/policy.md "Coming from the reference BidKV"): epsilon is 1e-3.
 - Error lines (config ``_shown``): an integer too long for ``repr()`` is described as one,
@@ -328,6 +329,10 @@ def test_every_listed_boolean_spelling_is_read(raw: str, value: bool) -> None:
 @pytest.mark.parametrize(
     ("variable", "raw", "needle"),
     [
+        # epsilon guards U's division and block_size divides computed tokens: zero would
+        # fail (or divide by zero) at a decision instead of at start-up.
+        ("BIDKV_UTILITY_EPSILON", "0", "greater than 0"),
+        ("BIDKV_UTILITY_BLOCK_SIZE", "0", "greater than 0"),
         ("BIDKV_UTILITY_DEFAULT_MAX_TOKENS", "0", "greater than 0"),
         ("BIDKV_UTILITY_PREFILL_CHUNK_TOKENS", "0", "greater than 0"),
         ("BIDKV_UTILITY_COMPLETION_HORIZON", "0", "greater than 0"),

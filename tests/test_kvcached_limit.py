@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import pytest
@@ -215,16 +216,27 @@ def test_bad_input_is_one_line(dirs: tuple[Path, Path], capsys: pytest.CaptureFi
     assert "--timeout 0 is invalid" in capsys.readouterr().err
 
 
-def test_corrupt_state_is_refused_and_kept(dirs: tuple[Path, Path],
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("document", [
+    {"schema_version": 7},
+    # Schema 1, but an entry kvcached would refuse (a negative revision) or with a key
+    # outside the schema, or a top-level key outside it: a save would drop what it held.
+    {"schema_version": 1, "instances": {IPC: {"revision": -1}}},
+    {"schema_version": 1, "instances": {IPC: {"revision": 3, "owner": "someone"}}},
+    {"schema_version": 1, "instances": {}, "owners": {}},
+], ids=["schema-7", "negative-revision", "unknown-entry-key", "unknown-top-level-key"])
+def test_corrupt_state_is_refused_and_kept(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+    document: dict[str, Any],
+) -> None:
     dirs[0].mkdir()
     bad = dirs[0] / "instances.json"
-    bad.write_text('{"schema_version": 7}')
+    bad.write_text(json.dumps(document))
+    before = bad.read_bytes()
     code, _, err = run(capsys, "1G")
     assert code == 2
     assert "is not a kvcached-provider state file (schema 1)" in err
     assert err.count("\n") == 1
-    assert bad.read_text() == '{"schema_version": 7}'
+    assert bad.read_bytes() == before and pool.capacity_pages == 4
 
 
 def _default_sigint() -> None:
@@ -270,13 +282,14 @@ def test_responder_claims_nothing_without_pools(kv: FakeKvcached, dirs: tuple[Pa
     assert (box / "req-1.json").exists()
 
 
-def _request(dirs: tuple[Path, Path], revision: int, limit: int) -> Path:
-    """A request as the command drops it into the instance's mailbox."""
+def _request(dirs: tuple[Path, Path], revision: int, limit: int, **body: Any) -> Path:
+    """A request as the command drops it into the instance's mailbox (``body`` replaces or
+    adds fields); returns the mailbox."""
     box = dirs[0] / "mailbox" / IPC
     box.mkdir(parents=True, exist_ok=True)
     (box / f"req-{revision}.json").write_text(json.dumps({
         "schema": "kvcached-provider.limit-request/1", "ipc_name": IPC, "limit_bytes": limit,
-        "revision": revision, "check_startup": False}))
+        "revision": revision, "check_startup": False, **body}))
     return box
 
 

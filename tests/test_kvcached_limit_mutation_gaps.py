@@ -14,7 +14,6 @@ files. Guarded:
 - a request of another schema is answered ``rejected`` / ``invalid_request`` and never applied;
 - a ``kvcached.control`` whose import fails is answered ``unavailable``, not raised;
 - a registry that raises is no pools: the responder claims nothing and raises nothing;
-- a state file with a negative revision or keys outside schema 1 is refused and kept;
 - an answer that is not UTF-8 is a one-line error, and the request is withdrawn;
 - an answer bearing the request's id but no valid result is a one-line error naming it;
 - the responder keeps serving after a poll that failed (an answer it could not write);
@@ -46,11 +45,11 @@ from tests.fake_kvcached import (
     virtual_total,
     write_record,
 )
-from tests.test_kvcached_limit import _cli
+from tests.test_kvcached_limit import _cli, _request
+from tests.test_kvcached_limit_leftovers import _serve
 
 IPC = "inst1"
 BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
-SCHEMA = "kvcached-provider.limit-request/1"
 
 
 @pytest.fixture
@@ -69,23 +68,6 @@ def pool(kv: FakeKvcached, dirs: tuple[Path, Path]) -> FakeKVCacheManager:
     manager = kv.register(FakeKVCacheManager(num_blocks=64))
     write_record(dirs[1], IPC, virtual_total(manager))
     return manager
-
-
-def _drop(dirs: tuple[Path, Path], revision: int, limit_bytes: int, **body: Any) -> Path:
-    """A request in the instance's mailbox, as the command drops it; returns the mailbox."""
-    box = dirs[0] / "mailbox" / IPC
-    box.mkdir(parents=True, exist_ok=True)
-    (box / f"req-{revision}.json").write_text(json.dumps({
-        "schema": SCHEMA, "ipc_name": IPC, "limit_bytes": limit_bytes, "revision": revision,
-        "check_startup": False, "request_id": f"r{revision}",
-        "expires_at": time.time() + 600, **body}))
-    return box
-
-
-def _serve(responder: LimitResponder) -> int:
-    """Two polls: the first gives the pool its real lock, the second answers."""
-    responder.poll_once()
-    return responder.poll_once()
 
 
 def _answer(box: Path, revision: int) -> dict[str, Any]:
@@ -184,7 +166,7 @@ def test_the_engine_skips_the_startup_check_when_not_asked(
     """Mutant: the engine always ran the start-up comparison, refusing a limit the command
     sent without it (``--adopt``, or a marker for the segment)."""
     write_record(dirs[1], IPC, virtual_total(pool) // 2)  # an adopted total
-    box = _drop(dirs, 1, 2 * BUNDLE, check_startup=False)
+    box = _request(dirs, 1, 2 * BUNDLE, check_startup=False)
     assert _serve(LimitResponder(IPC)) == 1
     assert _answer(box, 1)["status"] == "applied"
     assert pool.capacity_pages == 2
@@ -195,7 +177,7 @@ def test_a_request_of_another_schema_is_refused(
 ) -> None:
     """Mutant: the responder without its schema test applied a request of another
     schema (whose fields may mean something else) instead of refusing it."""
-    box = _drop(dirs, 1, 2 * BUNDLE, schema="kvcached-provider.limit-request/2")
+    box = _request(dirs, 1, 2 * BUNDLE, schema="kvcached-provider.limit-request/2")
     assert _serve(LimitResponder(IPC)) == 1
     answer = _answer(box, 1)
     assert (answer["status"], answer["reason"]) == ("rejected", "invalid_request")
@@ -234,44 +216,9 @@ def test_a_registry_that_raises_holds_no_pools(
 
     monkeypatch.setattr(sys.modules["kvcached.pool_registry"],
                         "get_registered_kv_cache_pools", broken)
-    box = _drop(dirs, 1, 2 * BUNDLE)
+    box = _request(dirs, 1, 2 * BUNDLE)
     assert _serve(LimitResponder(IPC)) == 0
     assert [p.name for p in box.iterdir()] == ["req-1.json"]
-
-
-@pytest.mark.parametrize("entry", [
-    {"revision": -1},
-    {"revision": 3, "owner": "someone"},
-])
-def test_a_state_entry_outside_schema_1_is_refused_and_kept(
-    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
-    entry: dict[str, Any],
-) -> None:
-    """Mutants: a negative revision (kvcached refuses any) or an unknown key in an instance
-    entry accepted, and the file rewritten without what it held."""
-    dirs[0].mkdir()
-    state = dirs[0] / "instances.json"
-    state.write_text(json.dumps({"schema_version": 1, "instances": {IPC: entry}}))
-    before = state.read_bytes()
-    code = main(["limit", "--ipc", IPC, "16M"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1
-    assert "is not a kvcached-provider state file (schema 1)" in err
-    assert state.read_bytes() == before and pool.capacity_pages == 4
-
-
-def test_a_state_file_with_an_unknown_key_is_refused_and_kept(
-    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Mutant: a top-level key outside schema 1 accepted, and dropped by the next save."""
-    dirs[0].mkdir()
-    state = dirs[0] / "instances.json"
-    state.write_text(json.dumps({"schema_version": 1, "instances": {}, "owners": {}}))
-    before = state.read_bytes()
-    code = main(["limit", "--ipc", IPC, "16M"])
-    err = capsys.readouterr().err
-    assert code == 2 and "is not a kvcached-provider state file (schema 1)" in err
-    assert state.read_bytes() == before and pool.capacity_pages == 4
 
 
 def test_an_answer_that_is_not_utf8_is_one_line_and_withdraws(
@@ -333,7 +280,7 @@ def test_the_responder_keeps_serving_after_a_failed_poll(
     """Mutant: ``_run`` without its ``except`` let one failed poll (here the answer cannot
     be written: a directory stands at its path) end the thread, so no later request of the
     instance was ever answered."""
-    box = _drop(dirs, 1, 2 * BUNDLE)
+    box = _request(dirs, 1, 2 * BUNDLE)
     (box / "ans-1.json").mkdir()
     responder = LimitResponder(IPC, poll_s=0.02)
     responder.start()
@@ -342,7 +289,7 @@ def test_the_responder_keeps_serving_after_a_failed_poll(
         while list(box.glob("req-1.json")):
             assert time.monotonic() < deadline, "the responder never claimed revision 1"
             time.sleep(0.02)
-        _drop(dirs, 2, 3 * BUNDLE)
+        _request(dirs, 2, 3 * BUNDLE)
         while not (box / "ans-2.json").exists():
             assert time.monotonic() < deadline, "the responder stopped serving"
             time.sleep(0.02)

@@ -380,20 +380,18 @@ def test_the_parsed_manifest_is_frozen() -> None:
 # --- legacy Bundle v1 --------------------------------------------------------------------
 
 
+_LEGACY: dict[str, Any] = {
+    "schema_version": "1.0",
+    "bundle_id": "org.test.legacy",
+    "bundle_version": "2.0",
+    "host_api_range": ">=1,<2",
+    "components": BASE["components"],
+}
+
+
 def _legacy(**changes: Any) -> dict[str, Any]:
-    document: dict[str, Any] = {
-        "schema_version": "1.0",
-        "bundle_id": "org.test.legacy",
-        "bundle_version": "2.0",
-        "host_api_range": ">=1,<2",
-        "components": copy.deepcopy(BASE["components"]),
-    }
-    for key, value in changes.items():
-        if value is None:
-            document.pop(key, None)
-        else:
-            document[key] = value
-    return document
+    """A legacy (schema 1.0) manifest with keys replaced (``None`` removes the key)."""
+    return _replaced(_LEGACY, changes)
 
 
 @pytest.mark.parametrize(

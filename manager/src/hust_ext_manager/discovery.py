@@ -226,9 +226,9 @@ def _load(registration: EntryPoint) -> InstalledBundle:
         dist_name, dist_version = metadata_field(fields, "Name"), metadata_field(fields, "Version")
     except (OSError, ValueError) as error:  # undecodable METADATA
         raise DiscoveryError(f"{bundle_id!r} distribution METADATA cannot be read") from error
-    if not isinstance(dist_name, str) or not dist_name:
+    if not dist_name:
         raise DiscoveryError(f"{bundle_id!r} has no distribution name")
-    if not isinstance(dist_version, str) or not dist_version:
+    if not dist_version:
         raise DiscoveryError(f"{bundle_id!r} has no distribution version")
     if not _STATIC_DIRECTORY.fullmatch(registration.value):
         raise DiscoveryError(f"{bundle_id!r} must register a static module directory")
