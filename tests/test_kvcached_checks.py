@@ -11,7 +11,7 @@ module; torch's local version tag is read without probing when it names a backen
 rocm*, cpu, xpu) and probed when it names none (NGC's ``+<commit>.nv25.10``); torch older
 than 2.10 (the stable ABI kvcached 0.1.6's ``_C`` is built against) is refused, by release
 number so that pre-release builds of 2.10 pass; an unparsable vLLM version is outside the
-range, and ``check()`` uses the manifest's own range; the planned activation environment
+range; a METADATA without a Version is refused by each check in its own words, and ``check()`` uses the manifest's own range; the planned activation environment
 really switches kvcached on (``ENABLE_KVCACHED`` true/1, read untrimmed as kvcached reads
 it; ``KVCACHED_AUTOPATCH`` true/1 or left unset); ``check()`` imports neither kvcached,
 torch nor vLLM; one failing probe cannot hide the others; the KV-events check reads a
@@ -39,12 +39,14 @@ MANIFEST = json.loads(
     (ROOT / "manifests/kvcached/vllm-hust-extension-v0.2.json").read_text(encoding="utf-8"))
 
 
-def fake_dist(site: Path, name: str, version: str, files: dict[str, bytes] | None = None
-              ) -> None:
-    """A minimal installed distribution: METADATA, RECORD and the listed files."""
-    info = site / f"{name}-{version.split('+')[0]}.dist-info"
+def fake_dist(site: Path, name: str, version: str | None,
+              files: dict[str, bytes] | None = None) -> None:
+    """A minimal installed distribution: METADATA (without a Version field when ``version``
+    is None), RECORD and the listed files."""
+    info = site / f"{name}-{(version or '0').split('+')[0]}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    field = "" if version is None else f"Version: {version}\n"
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\n{field}")
     record = [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
     for rel, content in (files or {}).items():
         target = site / rel
@@ -304,6 +306,29 @@ def test_vllm_with_an_unparsable_version_is_outside_the_range(site: Path) -> Non
     fake_dist(site, "vllm", "custom-build")
     ok, line = checks.check_vllm_range()
     assert not ok and line.startswith("vLLM custom-build is outside kvcached's supported range")
+
+
+@pytest.mark.parametrize("version", [None, ""])
+def test_a_distribution_without_a_version_is_refused_by_name(site: Path, version: str | None
+                                                             ) -> None:
+    """A METADATA with no (or an empty) Version field: each check refuses it in its own line,
+    saying the version is missing. ``dist.version`` is None there on 3.11 (packaging then
+    raises TypeError, and lines showed "torch None") and a KeyError on newer importlib."""
+    for name in ("kvcached", "torch", "vllm"):
+        fake_dist(site, name, version, {f"{name}/__init__.py": b""})
+    assert checks.check_kvcached_version() == (False, (
+        "kvcached's metadata has no version; reinstall it with "
+        "`pip install --force-reinstall 'kvcached>=0.1.6' --no-build-isolation`"))
+    ok, line = checks.check_compiled_module()  # no version: 0.1.6's name, kvcached/_C
+    assert not ok and line.startswith(
+        "kvcached (no version) is installed without its compiled module (no kvcached/_C.*.so")
+    assert checks.check_torch_backend(lambda _timeout: ("12.8", None)) == (
+        True, "torch (no version) is a CUDA 12.8 build")
+    [(ok, line)] = checks.check_torch_version()
+    assert not ok and line.startswith("torch (no version) cannot be shown to be at least 2.10:")
+    assert checks.check_vllm_range(">=0.33,<0.34") == (False, (
+        "vLLM (no version) cannot be checked against kvcached's supported range "
+        ">=0.33,<0.34: reinstall a vLLM in that range (e.g. vLLM-HUST 0.28.1)"))
 
 
 @pytest.mark.parametrize(("version_range", "ok"), [

@@ -142,17 +142,38 @@ def _distribution(name: str) -> metadata.Distribution | None:
         return None
 
 
+def _version_of(dist: metadata.Distribution) -> str | None:
+    """The METADATA's Version field, or None when it has none (or an empty one).
+
+    Read through ``get_all`` because ``dist.version`` gives None for a missing field on
+    Python 3.11 despite its annotation, and raises KeyError once importlib drops that
+    deprecated None; either way a check would report nonsense or stop.
+    """
+    values = dist.metadata.get_all("Version")
+    return str(values[0]) if values and values[0] else None
+
+
+def _named(project: str, version: str | None) -> str:
+    return f"{project} {version}" if version else f"{project} (no version)"
+
+
+_REINSTALL_KVCACHED = "`pip install --force-reinstall 'kvcached>=0.1.6' --no-build-isolation`"
+
+
 def check_kvcached_version() -> CheckLine:
     """kvcached is installed (metadata) and at least 0.1.6."""
     dist = _distribution("kvcached")
     if dist is None:
         return False, f"kvcached is not installed; {_INSTALL_HINT}"
+    text = _version_of(dist)
+    if text is None:
+        return False, f"kvcached's metadata has no version; reinstall it with {_REINSTALL_KVCACHED}"
     try:
-        version = Version(dist.version)
+        version = Version(text)
     except InvalidVersion:
         return False, (
-            f"kvcached reports an unparsable version {dist.version!r}; reinstall it with "
-            "`pip install --force-reinstall 'kvcached>=0.1.6' --no-build-isolation`"
+            f"kvcached reports an unparsable version {text!r}; reinstall it with "
+            f"{_REINSTALL_KVCACHED}"
         )
     if version < Version(MIN_KVCACHED_VERSION):
         return False, (
@@ -205,12 +226,13 @@ def check_compiled_module() -> CheckLine:
             "kvcached's compiled module (kvcached/_C) cannot be found because kvcached is "
             f"not installed; {_INSTALL_HINT}"
         )
-    stem = _native_stem(dist.version)
+    version = _version_of(dist)
+    stem = _native_stem(version or "")
     candidates = _recorded_native(dist, stem) or _package_dir_native(stem)
     present = [p for p in candidates if p.is_file()]
     if not present:
         return False, (
-            f"kvcached {dist.version} is installed without its compiled module "
+            f"{_named('kvcached', version)} is installed without its compiled module "
             f"(no kvcached/{stem}.*.so in its file list or package directory); the build "
             "skipped or lost the CUDA/ROCm extension: reinstall with "
             "`pip install --force-reinstall --no-build-isolation 'kvcached>=0.1.6'` where "
@@ -296,24 +318,26 @@ def check_torch_backend(
     dist = _distribution("torch")
     if dist is None:
         return False, f"torch is not installed; kvcached needs a GPU build of torch: {fix}"
+    version = _version_of(dist)
+    torch = _named("torch", version)
     try:
-        local = (Version(dist.version).local or "").lower()
+        local = (Version(version or "").local or "").lower()
     except InvalidVersion:
         local = ""
     if local.startswith("cu") or local.startswith("rocm"):
-        return True, f"torch {dist.version} is a {'ROCm' if 'rocm' in local else 'CUDA'} build"
+        return True, f"{torch} is a {'ROCm' if 'rocm' in local else 'CUDA'} build"
     if local.startswith(_NON_GPU_TAGS):
-        return False, f"torch {dist.version} is a {local.upper()}-only build; {fix}"
+        return False, f"{torch} is a {local.upper()}-only build; {fix}"
     # No tag, or one naming no backend (NGC's CUDA builds: ``+<commit>.nv25.10``): ask torch.
     result = probe(TORCH_PROBE_TIMEOUT_S)
     if isinstance(result, str):
-        return False, f"cannot tell whether torch {dist.version} is a GPU build ({result}); {fix}"
+        return False, f"cannot tell whether {torch} is a GPU build ({result}); {fix}"
     cuda, hip = result
     if cuda:
-        return True, f"torch {dist.version} is a CUDA {cuda} build"
+        return True, f"{torch} is a CUDA {cuda} build"
     if hip:
-        return True, f"torch {dist.version} is a ROCm (HIP {hip}) build"
-    return False, f"torch {dist.version} is a CPU-only build (no CUDA or HIP version); {fix}"
+        return True, f"{torch} is a ROCm (HIP {hip}) build"
+    return False, f"{torch} is a CPU-only build (no CUDA or HIP version); {fix}"
 
 
 def check_torch_version() -> list[CheckLine]:
@@ -325,15 +349,18 @@ def check_torch_version() -> list[CheckLine]:
     if dist is None:
         return []
     floor = ".".join(map(str, MIN_TORCH_RELEASE))
+    version = _version_of(dist)
     try:
-        release = Version(dist.version).release
+        release = Version(version or "").release
     except InvalidVersion:
         release = ()
     if release[:len(MIN_TORCH_RELEASE)] >= MIN_TORCH_RELEASE:
-        return [(True, f"torch {dist.version} is at least {floor} (kvcached "
+        return [(True, f"torch {version} is at least {floor} (kvcached "
                        f"{MIN_KVCACHED_VERSION}'s compiled module needs it)")]
+    # Without a version torch cannot be shown to reach the floor: refused, not "older".
+    reason = "is older than" if version else "cannot be shown to be at least"
     return [(False, (
-        f"torch {dist.version} is older than {floor}: kvcached {MIN_KVCACHED_VERSION}'s "
+        f"{_named('torch', version)} {reason} {floor}: kvcached {MIN_KVCACHED_VERSION}'s "
         f"compiled module is built against the libtorch stable ABI of torch >= {floor}; "
         f"install a CUDA or ROCm build of torch >= {floor} that the host's vLLM accepts "
         f"(e.g. `pip install 'torch>={floor}' --index-url "
@@ -353,19 +380,25 @@ def check_vllm_range(version_range: str = KVCACHED_TESTED_VLLM_RANGE) -> CheckLi
         spec = SpecifierSet(version_range)
     except InvalidSpecifier:
         return False, f"the bundle's vLLM range {version_range!r} is not a valid version range"
+    version = _version_of(dist)
+    if version is None:
+        return False, (
+            f"vLLM (no version) cannot be checked against kvcached's supported range "
+            f"{version_range}: reinstall a vLLM in that range (e.g. vLLM-HUST 0.28.1)"
+        )
     try:
-        inside = spec.contains(Version(dist.version))
+        inside = spec.contains(Version(version))
     except InvalidVersion:
         inside = False
     if not inside:
         return False, (
-            f"vLLM {dist.version} is outside kvcached's supported range {version_range} "
+            f"vLLM {version} is outside kvcached's supported range {version_range} "
             "(kvcached 0.1.6 is tested up to vLLM 0.30; its core patches would still load "
             "on a later vLLM, untested against its internals): run on a vLLM in that range, "
             "e.g. vLLM-HUST 0.28.1, or "
             f"`vllm-hust-ext extension disable {EXTENSION_ID}`"
         )
-    return True, f"vLLM {dist.version} is inside kvcached's supported range {version_range}"
+    return True, f"vLLM {version} is inside kvcached's supported range {version_range}"
 
 
 def check_shm_writable(directory: Path | None = None) -> CheckLine:
