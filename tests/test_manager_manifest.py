@@ -32,6 +32,7 @@ from typing import Any
 import jsonschema
 import pytest
 from hust_ext_manager import manifest as manifest_module
+from hust_ext_manager import metadata_scan
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -734,6 +735,28 @@ def test_a_damaged_entry_points_file_anywhere_is_one_line_naming_it(
     assert last.startswith("vllm-hust-ext: error: "), done.stderr
     assert f"installed distribution 'junk' 1.0 in {site} has an entry_points.txt Python " \
         "cannot parse" in last, done.stderr
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ("Name: junk\n", "'junk' (without a version)"),
+    ("Name: junk\nVersion: \n", "'junk' (without a version)"),
+    ("Version: 1.0\n", "(without a name)"),
+])
+def test_a_damaged_entry_points_file_names_a_distribution_without_a_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: str, named: str
+) -> None:
+    """The one-line account of a damaged entry_points.txt names its distribution from the
+    METADATA fields that are there: a missing or empty Version is said so (it read
+    "'junk' None" through ``dist.version``, which importlib is deprecating for a KeyError),
+    and a missing Name is "(without a name)"."""
+    info = tmp_path / "junk-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\n{fields}")
+    (info / "entry_points.txt").write_text("[console_scripts]\nbroken line without equals\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = metadata_scan.unreadable_entry_points()
+    assert found is not None and found.startswith(
+        f"installed distribution {named} in {tmp_path} has an entry_points.txt"), found
 
 
 def test_descriptor_only_bundle_is_inspectable_but_not_enabled(

@@ -13,13 +13,13 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import Distribution, EntryPoint, PackageMetadata, entry_points
+from importlib.metadata import Distribution, EntryPoint, entry_points
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from hust_ext_manager.manifest import Manifest, ManifestError, load_manifest
-from hust_ext_manager.metadata_scan import unreadable_entry_points
+from hust_ext_manager.metadata_scan import metadata_field, unreadable_entry_points
 
 __all__ = [
     "BUNDLE_GROUP",
@@ -206,14 +206,6 @@ def _manifest_path(
     if len(matches) != 1:
         raise DiscoveryError(f"{name!r} must contain exactly one Bundle v1 manifest")
     return matches[0]
-
-
-def metadata_field(fields: PackageMetadata, key: str) -> str | None:
-    """The first ``key`` field of a METADATA, or None when it has none, on every Python:
-    ``fields[key]`` (and ``dist.version``, which is ``fields["Version"]``) gives None on
-    3.11 despite its annotation, and a KeyError once importlib drops that deprecated None."""
-    values = fields.get_all(key)
-    return str(values[0]) if values else None
 
 
 def _load(registration: EntryPoint) -> InstalledBundle:

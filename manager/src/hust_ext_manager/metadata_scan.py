@@ -12,8 +12,17 @@ entry can use it even when importing the manager failed.
 from __future__ import annotations
 
 import importlib.metadata
+from importlib.metadata import PackageMetadata
 
-__all__ = ["unreadable_entry_points"]
+__all__ = ["metadata_field", "unreadable_entry_points"]
+
+
+def metadata_field(fields: PackageMetadata, key: str) -> str | None:
+    """The first ``key`` field of a METADATA, or None when it has none, on every Python:
+    ``fields[key]`` (and ``dist.version``, which is ``fields["Version"]``) gives None on
+    3.11 despite its annotation, and a KeyError once importlib drops that deprecated None."""
+    values = fields.get_all(key)
+    return str(values[0]) if values else None
 
 
 def unreadable_entry_points() -> str | None:
@@ -32,7 +41,10 @@ def unreadable_entry_points() -> str | None:
 
 def _name(dist: importlib.metadata.Distribution) -> str:
     try:
-        name, version = dist.metadata["Name"], dist.version
-    except (OSError, ValueError, KeyError):
+        fields = dist.metadata
+        name, version = metadata_field(fields, "Name"), metadata_field(fields, "Version")
+    except (OSError, ValueError):
         return "(unreadable METADATA)"
-    return f"{name!r} {version}" if name else "(without a name)"
+    if not name:
+        return "(without a name)"
+    return f"{name!r} {version}" if version else f"{name!r} (without a version)"

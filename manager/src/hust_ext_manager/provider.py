@@ -32,11 +32,11 @@ from hust_ext_manager.discovery import (
     DiscoveryError,
     InstalledBundle,
     file_exists,
-    metadata_field,
     source_roots,
 )
 from hust_ext_manager.jsonio import same_json
 from hust_ext_manager.manifest import RESERVED_QUALIFICATION_KEY, Manifest
+from hust_ext_manager.metadata_scan import metadata_field
 
 __all__ = [
     "CONTRACT_FILE",
