@@ -103,10 +103,14 @@ def _git(*args: str) -> str | None:
 
 
 def _dist_version(name: str) -> str | None:
+    """The installed distribution's Version field; None when it is not installed or its
+    METADATA has no (or an empty) Version. Read through ``get_all``: ``version()`` gives
+    None or "" there on 3.11, and a KeyError once importlib drops that deprecated None."""
     try:
-        return importlib.metadata.version(name)
+        values = importlib.metadata.distribution(name).metadata.get_all("Version")
     except importlib.metadata.PackageNotFoundError:
         return None
+    return str(values[0]) if values and values[0] else None
 
 
 def _declared(variable: str, what: str) -> str | None:

@@ -356,6 +356,24 @@ def test_record_hashes_the_profile_file_actually_loaded(tmp_path: Path) -> None:
     ).hexdigest()
 
 
+@pytest.mark.parametrize("field", ["", "Version: \n"])
+def test_an_installed_host_without_a_version_is_recorded_as_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """With no declared host_version the record reads the installed vLLM's METADATA; a
+    missing or empty Version is an unknown version (null, range unknown), not ``""`` judged
+    outside the profile's range."""
+    from qualification.runner import build_record
+
+    info = tmp_path / "site" / "vllm-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\n{field}")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    record = build_record(load_profile(str(PROFILE_DIR / "cuda.toml")), [], 1)
+    assert record["host"]["version"] is None  # type: ignore[index]
+    assert record["host"]["in_profile_range"] is None  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("host_version", "in_range"),
     [("0.28.1rc1.dev391", True), ("0.34.0", False), ("custom-build", False)],
