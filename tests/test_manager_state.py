@@ -414,6 +414,27 @@ def test_a_config_variable_naming_only_a_directory_is_refused(
             f"not the directory {value!r}")
 
 
+def test_a_state_path_that_is_an_unnamed_pipe_is_refused_and_left_unread(
+    config: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only ``extension configure --file`` reads a shell's pipe: a state path naming one
+    (``VLLM_HUST_EXT_CONFIG=<(...)``) is refused as not a regular file, like a FIFO,
+    with its text left in the pipe (state is a file the manager rewrites in place)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"{}")
+        os.close(write_end)
+        path = f"/dev/fd/{read_end}"
+        monkeypatch.setenv("VLLM_HUST_EXT_CONFIG", path)
+        code, out, err = invoke(["extension", "list"], capsys)
+        assert (code, out) == (2, "")
+        assert err.splitlines()[-1] == (
+            f"vllm-hust-ext: error: vllm-hust-ext config {path} is not a regular file")
+        assert os.read(read_end, 8) == b"{}"
+    finally:
+        os.close(read_end)
+
+
 @pytest.mark.parametrize("kind", ["directory", "directory-slash", "fifo"])
 def test_a_refused_state_path_leaves_no_lock_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
