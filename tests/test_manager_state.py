@@ -375,6 +375,29 @@ def test_a_configuration_file_that_is_not_a_regular_file_is_refused_at_once(
     assert config.read_bytes() == before
 
 
+def test_a_fifo_is_named_when_proc_cannot_say(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where ``/proc`` cannot say whether a FIFO has a name (its link cannot be read), it
+    counts as named: ``configure --file`` refuses it at once, as not a regular file,
+    rather than reading a FIFO whose writer may never come."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    settings = tmp_path / "settings.json"
+    os.mkfifo(settings)
+
+    def unreadable(path: object, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "readlink", unreadable)
+    with within(10):
+        code, _, err = invoke(
+            ["extension", "configure", "org.test.a", "--file", str(settings)], capsys)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: extension configuration file {settings} is not a regular "
+        "file or an unnamed pipe: expected a UTF-8 JSON object in a file or a shell's pipe")
+
+
 def test_a_configuration_file_may_be_a_shells_pipe(
     config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
