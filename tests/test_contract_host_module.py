@@ -79,7 +79,10 @@ def _host_tree(root: Path, *, version: str = "1.0", fields: list[str] = _FIELDS)
 
 
 def _run(root: Path, script: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(root), "BIDKV_UTILITY_ENABLE": "1"}
+    # The stand-in host first; an inherited PYTHONPATH after it (a mutation run points it
+    # at a copy of the sources, which the child must import too).
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "BIDKV_UTILITY_ENABLE": "1"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
 

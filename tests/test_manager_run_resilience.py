@@ -57,8 +57,8 @@ def _manager_env(tmp_path: Path, site: Path | None = None) -> dict[str, str]:
     }
     env = {k: v for k, v in os.environ.items() if k not in owned}
     env["VLLM_HUST_EXT_CONFIG"] = str(tmp_path / "config.json")
-    if site is not None:
-        env["PYTHONPATH"] = str(site)
+    if site is not None:  # first, before an inherited PYTHONPATH (see test_contract_host_module)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     return env
 
 
