@@ -375,6 +375,25 @@ def test_a_configuration_file_that_is_not_a_regular_file_is_refused_at_once(
     assert config.read_bytes() == before
 
 
+def test_a_missing_configuration_file_is_named_with_the_systems_reason(
+    config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``configure --file`` at a path that does not exist: one line naming the file and the
+    operating system's reason in words (its ``strerror``, not an exception class name),
+    and the stored state is left as it was."""
+    assert invoke(["extension", "enable", "org.test.a"], capsys)[0] == 0
+    before = config.read_bytes()
+    missing = tmp_path / "nowhere.json"
+    code, out, err = invoke(
+        ["extension", "configure", "org.test.a", "--file", str(missing)], capsys)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == (
+        f"vllm-hust-ext: error: extension configuration file {missing} cannot be read "
+        "(No such file or directory): expected a UTF-8 JSON object in a file or a shell's "
+        "pipe")
+    assert config.read_bytes() == before
+
+
 def test_a_fifo_is_named_when_proc_cannot_say(
     config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
