@@ -90,6 +90,13 @@ def sleeper(env: dict[str, str], *, setup: str = "",
     return child
 
 
+def listener(path: Path) -> subprocess.Popen[bytes]:
+    """A live process listening on a Unix socket bound at ``path``, spelled as given (a
+    worker shows in ``/proc/net/unix`` by that spelling)."""
+    return sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                   f"s.bind({str(path)!r}); s.listen()")
+
+
 def stop(child: subprocess.Popen[bytes]) -> None:
     child.kill()
     child.wait()
@@ -255,8 +262,7 @@ def test_a_bound_socket_keeps_the_socket_dir(shm: Path, tmp: Path, ipc: str) -> 
     # A socket fd reads as "socket:[inode]": a listening worker is seen in /proc/net/unix.
     directory = segments.tp_socket_dir(ipc, tmp)
     directory.mkdir()
-    worker = sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                     f"s.bind({str(directory / 'w0.sock')!r}); s.listen()")
+    worker = listener(directory / "w0.sock")
     try:
         assert segments.cleanup(ipc, tmp=tmp).kept == (
             (str(directory), f"a live process is bound to {directory / 'w0.sock'}"),)

@@ -47,10 +47,20 @@ from pathlib import Path
 import pytest
 
 from kvcached_provider import segments, signals
-from tests.fake_kvcached import FakeKvcached, FakeKVCacheManager, install
-from tests.test_kvcached_cleanup import ipc, record, shm, sleeper, socket_dir, stop, tmp
+from tests.fake_kvcached import FakeKvcached, FakeKVCacheManager
+from tests.test_kvcached_cleanup import (
+    ipc,
+    listener,
+    record,
+    shm,
+    sleeper,
+    socket_dir,
+    stop,
+    tmp,
+)
+from tests.test_kvcached_signals import kv
 
-__all__ = ["ipc", "shm", "tmp"]  # fixtures, used by name
+__all__ = ["ipc", "kv", "shm", "tmp"]  # fixtures, used by name
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +71,6 @@ def _fresh_signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     signals.reset_cache()
     yield
     signals.reset_cache()
-
-
-@pytest.fixture
-def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
-    return install(monkeypatch)
 
 
 # ------------------------------------------------------------------ signals.py
@@ -130,28 +135,38 @@ def test_an_engine_naming_the_instance_keeps_its_group_record(shm: Path, ipc: st
     assert segments.cleanup(ipc).removed == (str(group),)
 
 
-def test_a_worker_bound_through_a_linked_tmp_keeps_the_socket_dir(
-    shm: Path, tmp: Path, ipc: str
+def _tmp_spelled(tmp: Path, spelling: str) -> Path:
+    """A ``/tmp`` stand-in reached through a symlink, or one whose path holds a space."""
+    if spelling == "linked":
+        (tmp / "r").mkdir()
+        (tmp / "l").symlink_to(tmp / "r")
+        return tmp / "l"
+    (tmp / "a b").mkdir()
+    return tmp / "a b"
+
+
+@pytest.mark.parametrize("spelling", ["linked", "spaced"])
+def test_a_worker_bound_under_an_unusual_tmp_spelling_keeps_the_socket_dir(
+    shm: Path, tmp: Path, ipc: str, spelling: str
 ) -> None:
-    """Mutant: ``_spellings`` kept only the resolved spelling, so a worker that bound its
+    """Mutants: ``_spellings`` kept only the resolved spelling, so a worker that bound its
     socket through a symlinked ``/tmp`` (as kvcached does, with the path as given) went
-    unseen and its socket directory was removed. segments.py: bound sockets show "by the
-    path given to ``bind``", so the path as given must match too."""
-    link = tmp / "l"
-    (tmp / "r").mkdir()
-    link.symlink_to(tmp / "r")
-    directory = segments.tp_socket_dir(ipc, link)
+    unseen (segments.py: bound sockets show "by the path given to ``bind``"); and
+    ``/proc/net/unix`` lines were split on every space, so a socket path holding one was
+    dropped. Either way the socket directory of a listening worker was removed
+    (segments.py: in use "while some process is bound to a socket in it")."""
+    spelled = _tmp_spelled(tmp, spelling)
+    directory = segments.tp_socket_dir(ipc, spelled)
     directory.mkdir()
     bound = directory / "w0.sock"
-    worker = sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                     f"s.bind({str(bound)!r}); s.listen()")
+    worker = listener(bound)
     try:
-        assert segments.cleanup(ipc, tmp=link).kept == (
+        assert segments.cleanup(ipc, tmp=spelled).kept == (
             (str(directory), f"a live process is bound to {bound}"),)
         assert bound.exists()
     finally:
         stop(worker)
-    assert segments.cleanup(ipc, tmp=link).removed == (str(directory),)
+    assert segments.cleanup(ipc, tmp=spelled).removed == (str(directory),)
 
 
 def test_a_process_holding_a_directory_inside_the_socket_dir_keeps_it(
@@ -191,27 +206,6 @@ def test_init_is_never_counted_even_when_it_names_the_instance(
     assert not path.exists()
 
 
-def test_a_worker_bound_under_a_directory_with_a_space_keeps_the_socket_dir(
-    shm: Path, tmp: Path, ipc: str
-) -> None:
-    """Mutant: ``/proc/net/unix`` lines split on every space, so a socket path holding one
-    was dropped and the directory of a listening worker removed. segments.py: a socket
-    directory is in use "while some process is bound to a socket in it"."""
-    spaced = tmp / "a b"
-    spaced.mkdir()
-    directory = segments.tp_socket_dir(ipc, spaced)
-    directory.mkdir()
-    bound = directory / "w0.sock"
-    worker = sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                     f"s.bind({str(bound)!r}); s.listen()")
-    try:
-        assert segments.cleanup(ipc, tmp=spaced).kept == (
-            (str(directory), f"a live process is bound to {bound}"),)
-    finally:
-        stop(worker)
-    assert segments.cleanup(ipc, tmp=spaced).removed == (str(directory),)
-
-
 def test_a_link_to_a_record_is_not_another_instances_record(
     tmp_path: Path, shm: Path, ipc: str
 ) -> None:
@@ -237,8 +231,7 @@ def test_a_socket_in_a_sibling_directory_does_not_keep_the_socket_dir(
     directory.mkdir()
     sibling = Path(f"{directory}-x")
     sibling.mkdir()
-    worker = sleeper({}, setup="import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                     f"s.bind({str(sibling / 'w0.sock')!r}); s.listen()")
+    worker = listener(sibling / "w0.sock")
     try:
         assert segments.cleanup(ipc, tmp=tmp).removed == (str(directory),)
         assert sibling.exists() and not directory.exists()
