@@ -184,13 +184,17 @@ def test_a_zero_grace_is_accepted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("given", "bundle"),
-    [(1, True), (True, 1), (0, False), (1.0, True), ({"x": 1}, {"x": True}), ([1], [True])],
-    ids=["int-vs-true", "true-vs-int", "zero-vs-false", "float-vs-true", "nested", "list"],
+    [(1, True), (True, 1), (0, False), (1.0, True), ({"x": 1}, {"x": True}), ([1], [True]),
+     ({"x": 1}, {"x": 1, "y": 2}), ({"x": 1, "y": 2}, {"x": 1}), ({"x": 1}, {"y": 1}),
+     ([1], [1, 2]), ([1, 2], [1])],
+    ids=["int-vs-true", "true-vs-int", "zero-vs-false", "float-vs-true", "nested", "list",
+         "extra-key", "missing-key", "other-key", "longer-list", "shorter-list"],
 )
-def test_a_boolean_and_a_number_are_different_json_values(given: object, bundle: object) -> None:
+def test_values_that_differ_as_json_conflict(given: object, bundle: object) -> None:
     """The caller's ``--additional-config`` value is never rewritten: ``1 == True`` in
     Python, but in JSON they are different values, so the key conflicts (§6.2 step 4);
-    a JSON option the caller gave conflicts the same way (step 5)."""
+    a JSON option the caller gave conflicts the same way (step 5). So do objects whose keys
+    differ and lists that are longer or shorter, whatever their common part."""
     command = ["vllm", "--additional-config", json.dumps({"a": given})]
     with pytest.raises(ValueError, match=r"conflicts with additional_config keys: \['a'\]"):
         merge_additional_config(command, {"a": bundle})
