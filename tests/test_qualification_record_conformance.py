@@ -8,6 +8,7 @@ its free-text ``accelerator`` names an accelerator.
 
 from __future__ import annotations
 
+import email.message
 import importlib.metadata
 import json
 from pathlib import Path
@@ -40,6 +41,9 @@ class _FakeTorch:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.metadata = email.message.Message()  # what importlib's metadata reads as
+        self.metadata["Name"] = "torch"
+        self.metadata["Version"] = self.version
 
     def locate_file(self, path: str) -> Path:
         return self.root / path
