@@ -254,10 +254,9 @@ def _cli(env_update: dict[str, str], *argv: str) -> subprocess.Popen[str]:
                             preexec_fn=_default_sigint)
 
 
-def test_engine_responder_answers_another_process(
-    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
-) -> None:
-    """The command runs in a child without pools; the responder here holds the (fake) pool."""
+def _limit_through_engine() -> tuple[int, dict[str, Any], str]:
+    """``kvcached-provider limit --json 16M`` in a child without pools, answered by a
+    responder running here (which holds the fake pool): exit code, JSON result, stderr."""
     responder = LimitResponder(IPC, poll_s=0.02)
     responder.start()
     try:
@@ -265,8 +264,15 @@ def test_engine_responder_answers_another_process(
         out, err = proc.communicate(timeout=60)
     finally:
         responder.stop()
-    assert proc.returncode == 0, err
-    result = json.loads(out)
+    return proc.returncode, json.loads(out), err
+
+
+def test_engine_responder_answers_another_process(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path]
+) -> None:
+    """The command runs in a child without pools; the responder here holds the (fake) pool."""
+    returncode, result, err = _limit_through_engine()
+    assert returncode == 0, err
     assert result["status"] == "applied" and result["via"] == "engine"
     assert result["revision"] == 1
     assert pool.capacity_pages == 2

@@ -37,37 +37,19 @@ import pytest
 
 from kvcached_provider.cli import main
 from kvcached_provider.limit import LimitError, LimitResponder, LimitResult, set_limit
-from tests.fake_kvcached import (
-    FakeKvcached,
-    FakeKVCacheManager,
-    install,
-    provider_dirs,
-    virtual_total,
-    write_record,
+from tests.fake_kvcached import FakeKvcached, FakeKVCacheManager, virtual_total, write_record
+from tests.test_kvcached_limit import (
+    BUNDLE,
+    IPC,
+    _limit_through_engine,
+    _request,
+    dirs,
+    kv,
+    pool,
 )
-from tests.test_kvcached_limit import _cli, _request
 from tests.test_kvcached_limit_leftovers import _serve
 
-IPC = "inst1"
-BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
-
-
-@pytest.fixture
-def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    return provider_dirs(tmp_path, monkeypatch, IPC)
-
-
-@pytest.fixture
-def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
-    return install(monkeypatch)
-
-
-@pytest.fixture
-def pool(kv: FakeKvcached, dirs: tuple[Path, Path]) -> FakeKVCacheManager:
-    """One registered pool of 4 pages, with the control record kvcached writes at start-up."""
-    manager = kv.register(FakeKVCacheManager(num_blocks=64))
-    write_record(dirs[1], IPC, virtual_total(manager))
-    return manager
+__all__ = ["dirs", "kv", "pool"]  # fixtures, used by name
 
 
 def _answer(box: Path, revision: int) -> dict[str, Any]:
@@ -147,15 +129,8 @@ def test_the_engine_runs_the_startup_check_a_command_asks_for(
     """Mutants: the command sending ``check_startup: false``, or the engine ignoring it,
     applied a first limit over a kvctl limit in force when sent through the mailbox."""
     write_record(dirs[1], IPC, virtual_total(pool) // 2)  # kvctl limit before first use
-    responder = LimitResponder(IPC, poll_s=0.02)
-    responder.start()
-    try:
-        proc = _cli({}, "--ipc", IPC, "--timeout", "20", "--json", "16M")
-        out, err = proc.communicate(timeout=60)
-    finally:
-        responder.stop()
-    result = json.loads(out)
-    assert (proc.returncode, result["status"], result["via"]) == (1, "rejected", "engine"), err
+    returncode, result, err = _limit_through_engine()
+    assert (returncode, result["status"], result["via"]) == (1, "rejected", "engine"), err
     assert result["reason"] == "kvctl_limit_detected"
     assert pool.capacity_pages == 4
 
