@@ -15,7 +15,10 @@ guards what the fakes can only assume:
   and gives the pool a real lock first;
 - a limit written by kvcached's own ``kvctl`` is detected and refused;
 - ``kvcached-provider cleanup`` keeps the record and the worker socket directory of a live
-  engine and removes both once the engine was killed.
+  engine and removes both once the engine was killed, and a launch under a live engine's
+  name is refused because the engine uses the record;
+- the pre-launch checks read kvcached's and torch's real metadata: version, compiled
+  module, CUDA build and torch floor all pass on a real build.
 
 The tests share one pool and run in file order: each builds on the limit the previous one
 left (revisions only grow).
@@ -241,6 +244,14 @@ time.sleep(600)
 """
 
 
+_LAUNCH_CHECK = """
+import json, sys
+sys.path[:0] = [{src!r}]
+from kvcached_provider.checks import check_ipc_name
+print(json.dumps(check_ipc_name({ipc!r}, launching=True)))
+"""
+
+
 def test_cleanup_keeps_a_live_engines_record_and_removes_a_killed_ones(pool: Any) -> None:
     """A SIGKILLed engine leaks its record and socket directory; cleanup removes them then,
     and never while the engine lives."""
@@ -270,6 +281,14 @@ def test_cleanup_keeps_a_live_engines_record_and_removes_a_killed_ones(pool: Any
         assert live.returncode == 1, live.stdout + live.stderr
         assert str(engine.pid) in live.stdout + live.stderr
         assert record.is_file()
+        # In a child: a launch check claims the name for its process until that exits.
+        check = subprocess.run(
+            [sys.executable, "-c", _LAUNCH_CHECK.format(src=str(ROOT / "src"), ipc=ipc)],
+            env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert check.returncode == 0, check.stderr
+        refused = [text for ok, text in json.loads(check.stdout) if not ok]
+        assert len(refused) == 1 and "in use by pid" in refused[0], check.stdout
+        assert str(engine.pid) in refused[0]
 
         os.killpg(engine.pid, signal.SIGKILL)
         engine.wait(timeout=60)
@@ -284,3 +303,38 @@ def test_cleanup_keeps_a_live_engines_record_and_removes_a_killed_ones(pool: Any
             engine.wait(timeout=60)
         record.unlink(missing_ok=True)
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_pre_launch_checks_pass_on_a_real_build() -> None:
+    """The checks read a real kvcached build's and a CUDA torch's own metadata: each passes
+    and names what is installed (the CI tests only ever see faked distributions)."""
+    import importlib.metadata as metadata
+
+    import kvcached
+    import kvcached._C as native
+    import torch
+    from packaging.version import Version
+
+    from kvcached_provider.checks import (
+        check_compiled_module,
+        check_kvcached_version,
+        check_torch_backend,
+        check_torch_version,
+    )
+
+    ok, line = check_kvcached_version()
+    assert ok, line
+    assert f"kvcached {Version(kvcached.__version__)} is installed" in line
+    ok, line = check_compiled_module()
+    assert ok, line
+    assert Path(line.rsplit(": ", 1)[1]).resolve() == Path(str(native.__file__)).resolve()
+    # The distribution's version can lack the import's local tag (2.11.0 for 2.11.0+cu130);
+    # the check then asks torch itself and names its CUDA version.
+    torch_dist = metadata.version("torch")
+    ok, line = check_torch_backend()
+    assert ok, line
+    assert line.startswith(f"torch {torch_dist} is a CUDA") and torch.version.cuda
+    if "+cu" not in torch_dist:
+        assert line.endswith(f"is a CUDA {torch.version.cuda} build"), line
+    [(ok, line)] = check_torch_version()
+    assert ok and line.startswith(f"torch {torch_dist} is at least"), line
