@@ -168,6 +168,28 @@ def test_bundle_sink_file_mode_directory_and_write_failures(tmp_path: Path) -> N
         loud("effective", {})
 
 
+def test_bundle_sink_ignores_stats_json_cannot_write_unless_strict(tmp_path: Path) -> None:
+    """Stats JSON cannot write (an object value, a tuple key, a circular mapping) are
+    dropped by the default sink like a failed write, writing nothing; the strict sink
+    raises. Later events still reach the file."""
+    key = "VLLM_HUST_EXT_EVIDENCE_PATH"
+    path = tmp_path / "ev.jsonl"
+    circular: dict[str, object] = {}
+    circular["self"] = circular
+    bad_stats: list[dict[Any, object]] = [{"x": object()}, {(1, 2): 0}, {"c": circular}]
+    quiet = evidence_sink_from_env({key: str(path)})
+    loud = evidence_sink_from_env({key: str(path), "VLLM_ECPA_EVIDENCE_STRICT": "1"})
+    assert quiet is not None and loud is not None
+    for stats in bad_stats:
+        quiet("effective", stats)
+        with pytest.raises((TypeError, ValueError)):
+            loud("effective", stats)
+    assert not path.exists() or path.read_text() == ""
+    quiet("disabled", {"calls": 1})
+    [line] = path.read_text().splitlines()
+    assert json.loads(line)["stats"] == {"calls": 1}
+
+
 def test_bundle_line_names_the_given_process(tmp_path: Path) -> None:
     """``pid=`` names another process: its pid and its ``/proc`` start identity as the
     manager reads it, also when the command name holds spaces and ')'; a pid with no

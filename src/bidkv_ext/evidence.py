@@ -97,7 +97,8 @@ def evidence_sink_from_env(environ: Mapping[str, str] = os.environ) -> Sink | No
     """A controller evidence sink when ``VLLM_HUST_EXT_EVIDENCE_PATH`` is set, else None.
 
     With ``VLLM_ECPA_EVIDENCE_STRICT=1`` a failed write raises (the controller logs and
-    swallows it, so a decision never changes); otherwise failures are ignored.
+    swallows it, so a decision never changes); otherwise failures are ignored: the file
+    system's, and stats that JSON cannot write (nothing is written then, not half a line).
     """
     target = environ.get(EVIDENCE_PATH_ENV)
     if not target:
@@ -110,7 +111,9 @@ def evidence_sink_from_env(environ: Mapping[str, str] = os.environ) -> Sink | No
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _append(path, evidence_line(event, stats, binding))
-        except OSError:
+        except (OSError, TypeError, ValueError):
+            # TypeError/ValueError: json.dumps refused the stats (a key or value of no JSON
+            # type, a circular mapping) before anything was written.
             if strict:
                 raise
 
