@@ -11,7 +11,8 @@ module; torch's local version tag is read without probing when it names a backen
 rocm*, cpu, xpu) and probed when it names none (NGC's ``+<commit>.nv25.10``); torch older
 than 2.10 (the stable ABI kvcached 0.1.6's ``_C`` is built against) is refused, by release
 number so that pre-release builds of 2.10 pass; an unparsable vLLM version is outside the
-range; a METADATA without a Version is refused by each check in its own words, and ``check()`` uses the manifest's own range; the planned activation environment
+range; a METADATA without a Version is refused by each check in its own words, and
+``check()`` uses the manifest's own range; the planned activation environment
 really switches kvcached on (``ENABLE_KVCACHED`` true/1, read untrimmed as kvcached reads
 it; ``KVCACHED_AUTOPATCH`` true/1 or left unset); ``check()`` imports neither kvcached,
 torch nor vLLM; one failing probe cannot hide the others; the KV-events check reads a

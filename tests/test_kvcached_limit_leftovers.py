@@ -31,19 +31,14 @@ from tests.fake_kvcached import (
     FakeKvcached,
     FakeKVCacheManager,
     install,
-    provider_dirs,
     virtual_total,
     write_record,
 )
+from tests.test_kvcached_limit import BUNDLE, IPC, dirs
 
-IPC = "inst1"
-BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
 INT64_MAX = (1 << 63) - 1
 
-
-@pytest.fixture
-def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    return provider_dirs(tmp_path, monkeypatch, IPC)
+__all__ = ["dirs"]  # a fixture, used by name
 
 
 def _pool(monkeypatch: pytest.MonkeyPatch, shm: Path) -> FakeKVCacheManager:

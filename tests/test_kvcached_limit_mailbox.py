@@ -33,30 +33,12 @@ import pytest
 
 from kvcached_provider.limit import LimitResponder, LimitResult, set_limit
 from tests.fake_kvcached import (
-    FakeKvcached,
     FakeKVCacheManager,
-    install,
-    provider_dirs,
     virtual_total,
-    write_record,
 )
+from tests.test_kvcached_limit import BUNDLE, IPC, dirs, kv, pool
 
-IPC = "inst1"
-BUNDLE = 8 << 20  # page bundle of the default fake pool: 1 MiB x 4 layers x 2 buffers
-
-
-@pytest.fixture
-def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    return provider_dirs(tmp_path, monkeypatch, IPC)
-
-
-@pytest.fixture
-def pool(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path]) -> FakeKVCacheManager:
-    """One registered (fake) pool of 4 pages, with the control record kvcached writes."""
-    kv: FakeKvcached = install(monkeypatch)
-    manager = kv.register(FakeKVCacheManager(num_blocks=64))
-    write_record(dirs[1], IPC, virtual_total(manager))
-    return manager
+__all__ = ["dirs", "kv", "pool"]  # fixtures, used by name
 
 
 def _default_sigint() -> None:

@@ -45,16 +45,15 @@ from kvcached_provider.signals import CapacitySignals, PageModel
 from tests.fake_kvcached import (
     FakeKvcached,
     FakeKVCacheManager,
-    install,
-    provider_dirs,
     virtual_total,
     write_record,
 )
+from tests.test_kvcached_limit import IPC, dirs, kv
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = json.loads(
     (ROOT / "manifests/kvcached/vllm-hust-extension-v0.2.json").read_text(encoding="utf-8"))
-IPC = "inst1"
+__all__ = ["dirs", "kv"]  # fixtures, used by name
 
 
 @pytest.fixture(autouse=True)
@@ -62,16 +61,6 @@ def _fresh_signals_cache() -> Iterator[None]:
     signals.reset_cache()
     yield
     signals.reset_cache()
-
-
-@pytest.fixture
-def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    return provider_dirs(tmp_path, monkeypatch, IPC)
-
-
-@pytest.fixture
-def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKvcached:
-    return install(monkeypatch)
 
 
 def _limit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
