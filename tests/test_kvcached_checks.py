@@ -428,23 +428,25 @@ def test_a_record_a_live_engine_uses_fails_the_launch_check_only(tmp_path: Path)
     under the name of a running one would share its control record and limits: before a
     launch (``run``) a record that a live process uses is a failing line naming the pid;
     for ``status`` (perhaps of that very engine) it stays a report. A real process, found
-    through /proc by its environment, stands in for the engine."""
-    (tmp_path / "llama-8000").write_bytes(b"\0" * 24)
+    through /proc by its environment, stands in for the engine. The name is this run's
+    own: processes are found machine-wide, and another run's engine must not be counted."""
+    name = f"llama-{os.getpid()}"
+    (tmp_path / name).write_bytes(b"\0" * 24)
     engine = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; print(flush=True); time.sleep(60)"],
-        env={**os.environ, "KVCACHED_IPC_NAME": "llama-8000"}, stdout=subprocess.PIPE)
+        env={**os.environ, "KVCACHED_IPC_NAME": name}, stdout=subprocess.PIPE)
     try:
         assert engine.stdout is not None and engine.stdout.readline()  # it is running
-        lines = checks.check_ipc_name("llama-8000", tmp_path, launching=True)
+        lines = checks.check_ipc_name(name, tmp_path, launching=True)
         assert [ok for ok, _ in lines] == [True, False]
-        assert lines[1][1].startswith(f"control record {tmp_path / 'llama-8000'} is in use by "
+        assert lines[1][1].startswith(f"control record {tmp_path / name} is in use by "
                                       f"pid {engine.pid}: an engine already runs under")
-        status = checks.check_ipc_name("llama-8000", tmp_path)
+        status = checks.check_ipc_name(name, tmp_path)
         assert [ok for ok, _ in status] == [True, True] and "already exists" in status[1][1]
     finally:
         engine.kill()
         engine.wait()
-    lines = checks.check_ipc_name("llama-8000", tmp_path, launching=True)
+    lines = checks.check_ipc_name(name, tmp_path, launching=True)
     assert [ok for ok, _ in lines] == [True, True]  # a leaked record: reported, not fatal
     assert "already exists" in lines[1][1]
 
