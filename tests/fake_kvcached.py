@@ -6,16 +6,22 @@ GPU toolkit), so tests insert these fakes into ``sys.modules`` as ``kvcached``,
 follows ``shared/specs/kvcached-notes.md`` (sections 2.1-2.3) and kvcached 0.1.6 as read
 in its sdist: page/block bookkeeping, the shrink rules, the per-pool revision rules
 (stale / idempotent / conflict / apply, with ``deferred`` when in-use pages exceed the
-target, and reserved pages dropped by a shrink), the allocation order (partly used pages
-best-fit, then fresh pages, bounded by the device's free pages plus the reserved ones, as
-``available_size`` counts them), block 0 kept as the null block when asked, quarantined
-pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a ``ValueError``)
-without taking the revision (the notes name that outcome ``rejected``; the provider
+target), the reserve of mapped free pages (a page emptied by ``free`` stays mapped there,
+up to ``min(total pages, KVCACHED_MAX_RESERVED_PAGES)``, 10 by default; a page mapped
+afresh comes out of it; a shrink that cannot give up enough unmapped pages unmaps the
+whole reserve, a deferred one only when it completes), the allocation order (partly used
+pages best-fit, then fresh pages, bounded by the device's free pages plus the reserved
+ones, as ``available_size`` counts them), block 0 kept as the null block when asked,
+quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
+``ValueError``) without taking the revision (the notes name that outcome ``rejected``; the provider
 takes either form, and a ``rejected`` answer is tested verbatim), ``mapped_bytes``
 counting in-use plus reserved pages, the instance-level split, status precedence, result
 keys, the pool's ``ipc_name`` and, as under vLLM's synchronous scheduling, a no-op
 ``_lock`` that every mutating method takes. Written from those facts; it shares no code
-with kvcached.
+with kvcached. tests/test_kvcached_real.py compares it with a real pool, step by step, on
+a CUDA machine, and tests/test_kvcached_fidelity.py with that comparison's recording
+(kvcached 0.1.6 on an H200): the reserve was found there, where the fake had unmapped
+every emptied page at once.
 
 The control record helpers write real 24-byte records (three native int64) into a
 directory standing in for ``/dev/shm``, like kvcached at start-up and ``kvctl limit``.
@@ -95,7 +101,8 @@ class FakeKVCacheManager:
     def __init__(self, *, num_blocks: int = 64, block_mem_size: int = 1 << 16,
                  page_size: int = 1 << 20, num_layers: int = 4, num_kv_buffers: int = 2,
                  group_id: int = 0, pool_name: str | None = "block_pool",
-                 physical_free_pages: int = 1000, reserve_null_block: bool = False) -> None:
+                 physical_free_pages: int = 1000, reserve_null_block: bool = False,
+                 max_reserved_pages: int = 10) -> None:
         self.block_mem_size = block_mem_size
         self.page_size = page_size
         self.num_layers = num_layers
@@ -110,6 +117,9 @@ class FakeKVCacheManager:
         self.target_num_blocks: int | None = None
         self.quarantined = False
         self.reserved_pages = 0  # pre-mapped pages kvcached keeps beside the in-use ones
+        # A freed page stays mapped in that reserve while it holds fewer than this many
+        # (kvcached: min(total pages, KVCACHED_MAX_RESERVED_PAGES), default 10).
+        self.max_reserved_pages = min(self.capacity_pages, max_reserved_pages)
         # kvcached names the pool's segment after KVCACHED_IPC_NAME (read at its import).
         self.ipc_name = os.environ.get("KVCACHED_IPC_NAME") or "kvcached_fake"
         self._lock: Any = NoOpLock()
@@ -158,24 +168,40 @@ class FakeKVCacheManager:
             page = (min(fits, key=lambda p: (len(partly[p]), p)) if fits
                     else max(partly, key=lambda p: (len(partly[p]), -p)))
             taken += partly.pop(page)[:need]
-        mapped = {self._page(b) for b in self.allocated} | {self._page(b) for b in taken}
+        before = {self._page(b) for b in self.allocated}
+        mapped = before | {self._page(b) for b in taken}
         for page in range(self.capacity_pages):
             if len(taken) == n:
                 break
             if page not in mapped:
                 taken += self._free_on(page)[:n - len(taken)]
         self.allocated.update(taken)
+        # A page mapped afresh comes out of the reserve while it has one.
+        fresh = len({self._page(b) for b in taken} - before)
+        self.reserved_pages -= min(self.reserved_pages, fresh)
         return taken
 
     @_synchronized
     def free(self, ids: Iterable[int]) -> None:
+        before = self.inuse_pages()
         self.allocated.difference_update(ids)
+        emptied = before - self.inuse_pages()
+        if self.reserved_pages < self.max_reserved_pages:
+            # An emptied page stays mapped in the reserve until that is full.
+            self.reserved_pages = min(self.max_reserved_pages, self.reserved_pages + emptied)
         if self.in_shrink and self.target_num_blocks is not None:
             target_pages = self.target_num_blocks // self.blocks_per_page
             if self.inuse_pages() <= target_pages:  # enough whole pages are empty
-                self.capacity_pages = target_pages
+                self._shrink_to(target_pages)
                 self.in_shrink = False
                 self.target_num_blocks = None
+
+    def _shrink_to(self, target_pages: int) -> None:
+        """Capacity becomes ``target_pages``. The pages given up come from the unmapped
+        free ones; when those are too few, every reserved page is unmapped first."""
+        if self.reserved_pages > target_pages - self.inuse_pages():
+            self.reserved_pages = 0
+        self.capacity_pages = target_pages
 
     def get_page_occupancy(self, page_ids: Iterable[int]) -> dict[int, int]:
         return {p: sum(1 for b in self.allocated if self._page(b) == p) for p in page_ids}
@@ -214,15 +240,12 @@ class FakeKVCacheManager:
             raise QuarantinedResizeError("capacity cannot change while pages are quarantined")
         self._revision, self._limit = revision, limit_bytes
         self._effective = target_pages * self._bundle()
-        # Shrinking frees free and reserved pages at once: no pre-mapped page is kept
-        # beyond the room the target leaves next to the pages in use.
-        room = max(0, target_pages - self.inuse_pages())
-        self.reserved_pages = min(self.reserved_pages, room)
         if self.inuse_pages() > target_pages:
+            # Deferred: the reserve stays mapped until the shrink completes (in free()).
             self.in_shrink = True
             self.target_num_blocks = target_pages * self.blocks_per_page
         else:
-            self.capacity_pages = target_pages
+            self._shrink_to(target_pages)
             self.in_shrink = False
             self.target_num_blocks = None
         return self.memory_limit_state()

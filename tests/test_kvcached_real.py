@@ -10,7 +10,8 @@ guards what the fakes can only assume:
   ``kvctl`` check compares against) and is the segment ``_segment_of`` names;
 - a revisioned limit applied in the process holding the pool reaches kvcached's pool, and
   the capacity signals the policy reads follow it, through a deferred shrink to its end;
-- ``pages_released`` predicts exactly how many pages kvcached unmaps when the blocks go;
+- ``pages_released`` predicts exactly how many pages kvcached takes out of use when the
+  blocks go (an emptied page joins kvcached's reserve of mapped pages until the shrink ends);
 - the vLLM plugin's responder answers ``kvcached-provider limit`` run in another process,
   and gives the pool a real lock first;
 - a limit written by kvcached's own ``kvctl`` is detected and refused;
@@ -18,7 +19,10 @@ guards what the fakes can only assume:
   engine and removes both once the engine was killed, and a launch under a live engine's
   name is refused because the engine uses the record;
 - the pre-launch checks read kvcached's and torch's real metadata: version, compiled
-  module, CUDA build and torch floor all pass on a real build.
+  module, CUDA build and torch floor all pass on a real build;
+- the fake pool every CI test uses (tests/fake_kvcached.py) follows a real pool of the
+  same geometry through one scripted life: allocations, a deferred shrink and its end,
+  and the revision rules, compared on everything the provider reads.
 
 The tests share one pool and run in file order: each builds on the limit the previous one
 left (revisions only grow).
@@ -163,7 +167,8 @@ def test_in_process_limit_reaches_the_pool_and_the_signals(pool: Any, state: Pat
 
 def test_deferred_shrink_is_signalled_and_pages_released_is_exact(pool: Any,
                                                                   state: Path) -> None:
-    """Below the in-use pages a limit is deferred; pages_released predicts kvcached's unmap."""
+    """Below the in-use pages a limit is deferred; pages_released predicts the pages kvcached
+    takes out of use."""
     from kvcached_provider.limit import set_limit
     from kvcached_provider.signals import current_signals, pages_released
 
@@ -178,7 +183,7 @@ def test_deferred_shrink_is_signalled_and_pages_released_is_exact(pool: Any,
 
     # Freeing one block of a page other blocks still hold empties no page.
     assert pages_released(ids[:1]) == 0
-    # Free a third of the blocks, then the rest: each time the pages kvcached unmaps are
+    # Free a third of the blocks, then the rest: each time the pages kvcached takes out of use are
     # exactly those predicted.
     for part in (ids[: len(ids) // 3], ids[len(ids) // 3 :]):
         predicted = pages_released(part)
@@ -338,3 +343,52 @@ def test_pre_launch_checks_pass_on_a_real_build() -> None:
         assert line.endswith(f"is a CUDA {torch.version.cuda} build"), line
     [(ok, line)] = check_torch_version()
     assert ok and line.startswith(f"torch {torch_dist} is at least"), line
+
+
+_FIDELITY = """
+import json, os, sys
+sys.path[:0] = [{root!r}, {src!r}]
+from tests.kvcached_fidelity import fidelity_steps
+from tests.test_kvcached_real import open_pool
+pool = open_pool(os.environ["KVCACHED_IPC_NAME"])
+geometry = {{k: int(getattr(pool, k)) for k in ("mem_size", "block_mem_size", "page_size",
+                                                "num_layers", "num_kv_buffers")}}
+seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages)
+print(json.dumps({{"geometry": geometry, "seen": seen}}), flush=True)
+from kvcached.integration.vllm import interfaces
+interfaces.shutdown_kvcached()
+"""
+
+
+def test_the_fake_pool_follows_a_real_one() -> None:
+    """The CI tests' fake pool answers as a real pool of the same geometry does, step by
+    step, on everything the provider reads (the fakes otherwise rest on reading
+    kvcached's source)."""
+    from kvcached_provider.checks import shm_dir
+    from kvcached_provider.segments import tp_socket_dir
+    from tests.fake_kvcached import FakeKVCacheManager
+    from tests.kvcached_fidelity import fidelity_steps
+
+    ipc = f"{IPC}_fid"
+    env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED="false")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _FIDELITY.format(root=str(ROOT), src=str(ROOT / "src"))],
+            env=env, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        (shm_dir() / ipc).unlink(missing_ok=True)
+        shutil.rmtree(tp_socket_dir(ipc), ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # kvcached prints to stdout too (its C++ and its shutdown): take the one JSON line.
+    [line] = [text for text in done.stdout.splitlines() if text.startswith('{"geometry"')]
+    real = json.loads(line)
+    g = real["geometry"]
+    fake = FakeKVCacheManager(
+        num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
+        page_size=g["page_size"], num_layers=g["num_layers"],
+        num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
+        reserve_null_block=True)
+    faked = fidelity_steps(fake, fake.inuse_pages)
+    print(json.dumps({"real": real["seen"], "fake": faked}))  # for -rA / -s on a mismatch
+    for got, want in zip(faked, real["seen"], strict=True):
+        assert got == want, f"at {want['step']!r}"

@@ -1,0 +1,75 @@
+"""One scripted life of a kvcached pool, for comparing the tests' fake with a real pool.
+
+``fidelity_steps`` drives a pool through allocations, a deferred shrink and its end, the
+revision rules (apply, idempotent, conflict, stale, beyond the virtual size) and the
+reserve of mapped free pages (filled past its size, then cut by a shrink), and
+after each step records what the provider reads of the pool. tests/test_kvcached_real.py
+runs it on a real kvcached pool (on a CUDA machine) and on the fake, and compares them;
+tests/test_kvcached_fidelity.py compares the fake with a recording of the real run
+(``kvcached_real_fidelity.json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
+               "current_capacity_bytes", "revision", "mapped_bytes", "remaining_bytes",
+               "overage_bytes")
+
+
+def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, Any]]:
+    """Drive ``pool`` (real or fake) through the script; after each step, what the
+    provider reads of it: free blocks, pages in use, the shrink flag, the limit state and
+    the step's answer (a state for a limit, a count of blocks for an allocation)."""
+    per_page = pool.page_size // pool.block_mem_size
+    one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
+    seen: list[dict[str, Any]] = []
+
+    def look(step: str, answer: Any = None) -> None:
+        state = pool.memory_limit_state()
+        if isinstance(answer, dict):
+            answer = {k: answer.get(k) for k in _STATE_KEYS}
+        seen.append({"step": step, "available": int(pool.available_size()),
+                     "inuse_pages": int(inuse_pages()), "in_shrink": bool(pool.in_shrink),
+                     "state": {k: state.get(k) for k in _STATE_KEYS}, "answer": answer})
+
+    def alloc(n: int) -> list[int]:
+        ids = pool.alloc(n)
+        return list(ids) if ids is not None else []
+
+    look("start")
+    first = alloc(3 * per_page + 5)
+    look("allocate 3 pages and 5 blocks", len(first))
+    second = alloc(per_page // 2)
+    look("allocate half a page", len(second))
+    pool.free(first[: 2 * per_page])
+    look("free 2 pages' worth of the first")
+    look("limit 1 page, below the pages in use", pool.set_memory_limit(one_page, revision=1))
+    third = alloc(1)
+    look("allocate 1 block while shrinking", len(third))
+    fourth = alloc(per_page)
+    look("allocate a page while shrinking", len(fourth))
+    pool.free(first[2 * per_page:])
+    look("free the rest of the first")
+    pool.free(second + third + fourth)
+    look("free everything")
+    look("raise to 10 pages", pool.set_memory_limit(10 * one_page, revision=2))
+    look("the same again", pool.set_memory_limit(10 * one_page, revision=2))
+    look("another limit, same revision", pool.set_memory_limit(12 * one_page, revision=2))
+    look("an older revision", pool.set_memory_limit(5 * one_page, revision=1))
+    look("allocate 10 pages", len(alloc(10 * per_page)))
+    most = alloc(10 * per_page - 1)
+    look("allocate all but one block of 10 pages", len(most))
+    pool.free(most)
+    look("free them")
+    look("above the virtual size", pool.set_memory_limit(1 << 50, revision=3))
+    many = alloc(13 * per_page)
+    look("allocate 13 pages", len(many))
+    pool.free(many)
+    look("free them, past the reserve's size")
+    look("limit 4 pages, fewer than in use and reserved",
+         pool.set_memory_limit(4 * one_page, revision=4))
+    look("allocate 2 pages", len(alloc(2 * per_page)))
+    return seen
