@@ -11,6 +11,7 @@ tests/test_kvcached_fidelity.py compares the fake with a recording of the real r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
 def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, Any]]:
     """Drive ``pool`` (real or fake) through the script; after each step, what the
     provider reads of it: free blocks, pages in use, the shrink flag, the limit state and
-    the step's answer (a state for a limit, a count of blocks for an allocation)."""
+    the step's answer (a state for a limit; for an allocation, how many blocks went to each
+    page, an empty list when it failed)."""
     per_page = pool.page_size // pool.block_mem_size
     one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
     seen: list[dict[str, Any]] = []
@@ -39,18 +41,23 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, 
         ids = pool.alloc(n)
         return list(ids) if ids is not None else []
 
+    def spread(ids: list[int]) -> list[int]:
+        # How many of the blocks landed on each page, smallest first: which pages were
+        # partly used, and how full each new one is (page ids themselves may differ).
+        return sorted(Counter(i // per_page for i in ids).values())
+
     look("start")
     first = alloc(3 * per_page + 5)
-    look("allocate 3 pages and 5 blocks", len(first))
+    look("allocate 3 pages and 5 blocks", spread(first))
     second = alloc(per_page // 2)
-    look("allocate half a page", len(second))
+    look("allocate half a page", spread(second))
     pool.free(first[: 2 * per_page])
     look("free 2 pages' worth of the first")
     look("limit 1 page, below the pages in use", pool.set_memory_limit(one_page, revision=1))
     third = alloc(1)
-    look("allocate 1 block while shrinking", len(third))
+    look("allocate 1 block while shrinking", spread(third))
     fourth = alloc(per_page)
-    look("allocate a page while shrinking", len(fourth))
+    look("allocate a page while shrinking", spread(fourth))
     pool.free(first[2 * per_page:])
     look("free the rest of the first")
     pool.free(second + third + fourth)
@@ -59,17 +66,17 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, 
     look("the same again", pool.set_memory_limit(10 * one_page, revision=2))
     look("another limit, same revision", pool.set_memory_limit(12 * one_page, revision=2))
     look("an older revision", pool.set_memory_limit(5 * one_page, revision=1))
-    look("allocate 10 pages", len(alloc(10 * per_page)))
+    look("allocate 10 pages", spread(alloc(10 * per_page)))
     most = alloc(10 * per_page - 1)
-    look("allocate all but one block of 10 pages", len(most))
+    look("allocate all but one block of 10 pages", spread(most))
     pool.free(most)
     look("free them")
     look("above the virtual size", pool.set_memory_limit(1 << 50, revision=3))
     many = alloc(13 * per_page)
-    look("allocate 13 pages", len(many))
+    look("allocate 13 pages", spread(many))
     pool.free(many)
     look("free them, past the reserve's size")
     look("limit 4 pages, fewer than in use and reserved",
          pool.set_memory_limit(4 * one_page, revision=4))
-    look("allocate 2 pages", len(alloc(2 * per_page)))
+    look("allocate 2 pages", spread(alloc(2 * per_page)))
     return seen
