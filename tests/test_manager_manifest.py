@@ -741,6 +741,8 @@ def test_a_damaged_entry_points_file_anywhere_is_one_line_naming_it(
     ("Name: junk\n", "'junk' (without a version)"),
     ("Name: junk\nVersion: \n", "'junk' (without a version)"),
     ("Version: 1.0\n", "(without a name)"),
+    ("Name: \nVersion: 1.0\n", "(without a name)"),
+    ("Name: junk\nVersion: 1.0\nVersion: 2.0\n", "'junk' 1.0"),
 ])
 def test_a_damaged_entry_points_file_names_a_distribution_without_a_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: str, named: str
@@ -748,15 +750,44 @@ def test_a_damaged_entry_points_file_names_a_distribution_without_a_version(
     """The one-line account of a damaged entry_points.txt names its distribution from the
     METADATA fields that are there: a missing or empty Version is said so (it read
     "'junk' None" through ``dist.version``, which importlib is deprecating for a KeyError),
-    and a missing Name is "(without a name)"."""
-    info = tmp_path / "junk-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\n{fields}")
-    (info / "entry_points.txt").write_text("[console_scripts]\nbroken line without equals\n")
+    a missing or empty Name is "(without a name)", and of two Version fields the first
+    counts, as ``dist.version`` reads it."""
+    _damaged_dist(tmp_path, f"Metadata-Version: 2.1\n{fields}".encode(),
+                  b"[console_scripts]\nbroken line without equals\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     found = metadata_scan.unreadable_entry_points()
     assert found is not None and found.startswith(
         f"installed distribution {named} in {tmp_path} has an entry_points.txt"), found
+
+
+def _damaged_dist(site: Path, metadata: bytes, entry_points: bytes) -> None:
+    info = site / "junk-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_bytes(metadata)
+    (info / "entry_points.txt").write_bytes(entry_points)
+
+
+@pytest.mark.parametrize(("metadata", "entry_points", "account"), [
+    # Python reads a line without "=" as a TypeError, undecodable bytes as a ValueError.
+    (b"Metadata-Version: 2.1\nName: junk\nVersion: 1.0\n", b"[console_scripts]\n\xff\n",
+     "'junk' 1.0 in {site} has an entry_points.txt Python cannot parse "
+     "(UnicodeDecodeError: "),
+    (b"Metadata-Version: 2.1\nName: \xff\n", b"[console_scripts]\nbroken line\n",
+     "(unreadable METADATA) in {site} has an entry_points.txt Python cannot parse "
+     "(TypeError: "),
+], ids=["undecodable-entry-points", "undecodable-metadata"])
+def test_undecodable_metadata_files_are_named_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metadata: bytes, entry_points: bytes,
+    account: str
+) -> None:
+    """Mutants: only a TypeError taken for a damaged entry_points.txt, and only an OSError
+    for an unreadable METADATA. Bytes that are not UTF-8 raise UnicodeDecodeError (a
+    ValueError) from either file; the account still names what it can, in one line."""
+    _damaged_dist(tmp_path, metadata, entry_points)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = metadata_scan.unreadable_entry_points()
+    assert found is not None and found.startswith(
+        "installed distribution " + account.format(site=tmp_path)), found
 
 
 def test_descriptor_only_bundle_is_inspectable_but_not_enabled(

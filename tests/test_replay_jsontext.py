@@ -3,7 +3,9 @@
 Guarded behaviours: malformed text is a ``JsonTextError`` with ``syntax`` true and its
 line and column; over-deep nesting and an over-long integer are ``JsonTextError`` with
 ``syntax`` false and say which limit, without echoing the text; a hook's own error (not a
-bare ValueError) passes through unchanged; valid text parses as json.loads does.
+bare ValueError) passes through unchanged; valid text parses as json.loads does. And
+``error_location`` joins a pydantic location with dots, shows a key that is not printable
+with ``repr()`` and names the document itself when the location is empty.
 """
 
 from __future__ import annotations
@@ -66,3 +68,11 @@ def test_hook_errors_pass_through() -> None:
 
     with pytest.raises(Specific):
         jsontext.loads("[1.5]", parse_float=refuse_value)
+
+
+def test_an_error_location_is_dotted_and_names_the_document_when_empty() -> None:
+    """Mutants: another separator, and no name for an empty location (the error would
+    then begin with nothing before its colon)."""
+    assert jsontext.error_location(("arms", 0, "policy"), "the file") == "arms.0.policy"
+    assert jsontext.error_location(("a\nb",), "the file") == "'a\\nb'"
+    assert jsontext.error_location((), "the file") == "the file"
