@@ -183,8 +183,8 @@ def test_deferred_shrink_is_signalled_and_pages_released_is_exact(pool: Any,
 
     # Freeing one block of a page other blocks still hold empties no page.
     assert pages_released(ids[:1]) == 0
-    # Free a third of the blocks, then the rest: each time the pages kvcached takes out of use are
-    # exactly those predicted.
+    # Free a third of the blocks, then the rest: each time the pages kvcached takes out of
+    # use are exactly those predicted.
     for part in (ids[: len(ids) // 3], ids[len(ids) // 3 :]):
         predicted = pages_released(part)
         before = pool.page_allocator.get_num_inuse_pages()
@@ -363,7 +363,9 @@ interfaces.shutdown_kvcached()
 def test_the_fake_pool_follows_a_real_one() -> None:
     """The CI tests' fake pool answers as a real pool of the same geometry does, step by
     step, on everything the provider reads (the fakes otherwise rest on reading
-    kvcached's source)."""
+    kvcached's source). The line it prints (see it with ``-rA``) holds the real answers;
+    tests/kvcached_real_fidelity.json keeps them for CI: refresh its ``seen`` from that
+    line's ``real`` after a kvcached upgrade or a change to the script."""
     from kvcached_provider.checks import shm_dir
     from kvcached_provider.segments import tp_socket_dir
     from tests.fake_kvcached import FakeKVCacheManager
