@@ -160,24 +160,23 @@ class FakeKVCacheManager:
         if self.available_size() < n:
             return None
         taken: list[int] = []
-        partly = {p: self._free_on(p) for p in {self._page(b) for b in self.allocated}}
-        partly = {p: free for p, free in partly.items() if free}
+        in_use = {self._page(b) for b in self.allocated}
+        partly = {p: free for p in in_use if (free := self._free_on(p))}
         while len(taken) < n and partly:
             need = n - len(taken)
             fits = [p for p, free in partly.items() if len(free) >= need]
             page = (min(fits, key=lambda p: (len(partly[p]), p)) if fits
                     else max(partly, key=lambda p: (len(partly[p]), -p)))
             taken += partly.pop(page)[:need]
-        before = {self._page(b) for b in self.allocated}
-        mapped = before | {self._page(b) for b in taken}
+        fresh = 0  # pages mapped afresh: each one not in use gives blocks
         for page in range(self.capacity_pages):
             if len(taken) == n:
                 break
-            if page not in mapped:
+            if page not in in_use:
                 taken += self._free_on(page)[:n - len(taken)]
+                fresh += 1
         self.allocated.update(taken)
         # A page mapped afresh comes out of the reserve while it has one.
-        fresh = len({self._page(b) for b in taken} - before)
         self.reserved_pages -= min(self.reserved_pages, fresh)
         return taken
 

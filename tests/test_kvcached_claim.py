@@ -58,18 +58,30 @@ def _engine_env(state: Path, shm: Path, **extra: str) -> dict[str, str]:
             "KVCACHED_PROVIDER_SHM_DIR": str(shm), "KVCACHED_IPC_NAME": NAME, **extra}
 
 
+def _engines(state: Path, shm: Path, *names: str) -> list[subprocess.Popen[str]]:
+    """One process per name that loaded the bundle's plugin with kvcached on, as an engine
+    does (so each claims its name); all of them stopped if one fails to come up."""
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _ENGINE], text=True, stdout=subprocess.PIPE,
+        env=_engine_env(state, shm, ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1",
+                        KVCACHED_IPC_NAME=name)) for name in names]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs
+
+
 @pytest.fixture
 def engine(dirs: tuple[Path, Path]) -> Iterator[subprocess.Popen[str]]:
     """A process that loaded the bundle's plugin with kvcached on, as an engine does."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _ENGINE], text=True, stdout=subprocess.PIPE,
-        env=_engine_env(*dirs, ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1"))
+    [proc] = _engines(*dirs, NAME)
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         yield proc
     finally:
-        proc.kill()
-        proc.wait()
+        _stop([proc])
 
 
 def test_a_starting_engine_s_name_fails_the_launch_check(

@@ -20,15 +20,13 @@ import fcntl
 import logging
 import os
 import stat
-import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvcached_provider import activation, checks, claim, locking
-from tests.test_kvcached_claim import _ENGINE, NAME, _engine_env, _open_on, _stop, dirs
+from tests.test_kvcached_claim import NAME, _engines, _open_on, _stop, dirs
 
 __all__ = ["dirs"]  # a fixture, used by name
 
@@ -41,17 +39,6 @@ def own_claims() -> Iterator[None]:
     yield
     for path in set(claim._held) - before:
         os.close(claim._held.pop(path))
-
-
-def _engines(state: Path, shm: Path, *names: str) -> list[subprocess.Popen[str]]:
-    """One process per name that loaded the plugin with kvcached on, each claiming it."""
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", _ENGINE], text=True, stdout=subprocess.PIPE,
-        env=_engine_env(state, shm, ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1",
-                        KVCACHED_IPC_NAME=name)) for name in names]
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-    return procs
 
 
 def test_claiming_twice_keeps_one_descriptor_and_is_no_conflict(
@@ -170,7 +157,7 @@ class _Clock:
     """Stands in for ``locking``'s ``time``: sleeping advances a fake monotonic clock, so
     the wait's deadline and polls are counted, not timed; ``on_sleep`` runs after each."""
 
-    def __init__(self, on_sleep: object = None) -> None:
+    def __init__(self, on_sleep: Callable[[int], None]) -> None:
         self.now = 0.0
         self.sleeps: list[float] = []
         self.on_sleep = on_sleep
@@ -181,8 +168,7 @@ class _Clock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
-        if callable(self.on_sleep):
-            self.on_sleep(len(self.sleeps))
+        self.on_sleep(len(self.sleeps))
 
 
 @pytest.mark.parametrize("release_after", [None, 3])

@@ -23,7 +23,7 @@ import pytest
 from hust_ext_manager import runtime_evidence
 from hust_ext_manager.state import config_path
 
-from bidkv_ext.evidence import evidence_line
+from tests.test_manager_status import _live_line
 
 BUNDLE = "org.test.p"
 BINDING = {"VLLM_ECPA_PLAN_ID": "p", "VLLM_ECPA_LAUNCH_ID": "l"}
@@ -37,15 +37,6 @@ def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLMHUST_EXT_ENABLED_BUNDLES", raising=False)
     return path
-
-
-def _live(event: str = "effective", **changes: Any) -> dict[str, Any]:
-    """A bound line of this (live) test process for ``BUNDLE``."""
-    line = evidence_line(event, {}, BINDING)
-    line["extension_id"] = BUNDLE
-    line.update(changes)
-    copied: dict[str, Any] = json.loads(json.dumps(line))
-    return copied
 
 
 def _write(path: Path, *lines: dict[str, Any]) -> None:
@@ -82,7 +73,7 @@ def test_a_host_event_missing_a_part_of_its_binding_is_refused(
 ) -> None:
     """Mutants: the binding check without the non-empty launch id, the string start
     identity or the string host. Such a line cannot be matched to a live launch."""
-    line = _live()
+    line = _live_line()
     (line[where] if where else line)[key] = value
     with pytest.raises(ValueError, match="must be a bound"):
         runtime_evidence.record_event(line)
@@ -117,13 +108,13 @@ def test_status_reads_only_the_last_mib_of_the_log(log: Path) -> None:
     """Mutant: a window of 64 MiB. The log grows for as long as engines run; ``status``
     reads its last MiB, so a live line further back is no longer seen (and one inside the
     window is)."""
-    filler = _live(extension_id="org.other")
+    filler = _live_line(extension_id="org.other")
     size = len(json.dumps(filler)) + 1
     count = (1 << 20) // size + 2  # just over one MiB of other bundles' lines
-    _write(log, _live(), *([filler] * count))
+    _write(log, _live_line(), *([filler] * count))
     assert log.stat().st_size > 1 << 20
     assert runtime_evidence.runtime_effective_evidence(BUNDLE) is None
-    _write(log, _live(), *([filler] * (count - 4)))
+    _write(log, _live_line(), *([filler] * (count - 4)))
     assert log.stat().st_size < 1 << 20
     assert runtime_evidence.runtime_effective_evidence(BUNDLE) is not None
 
@@ -132,9 +123,9 @@ def test_an_entry_point_named_by_a_list_is_skipped_not_a_crash(log: Path) -> Non
     """Mutant: the entry point's group and name used without checking that they are
     strings. A list there made the set lookup raise TypeError, and ``status`` with it."""
     wanted = {("vllm.general_plugins", "p")}
-    odd = _live(extension_id="org.other",
+    odd = _live_line(extension_id="org.other",
                 entry_point={"group": ["vllm.general_plugins"], "name": "p"})
-    named = _live(extension_id="org.other",
+    named = _live_line(extension_id="org.other",
                   entry_point={"group": "vllm.general_plugins", "name": "p"})
     _write(log, named, odd)
     found = runtime_evidence.runtime_effective_evidence(BUNDLE, wanted)
@@ -145,8 +136,8 @@ def test_a_line_observed_as_runtime_effective_counts_whatever_its_event(log: Pat
     """Mutant: ``observation_kind`` ignored. A host that builds its own events may name
     them otherwise and mark the observation; such a line counts, an unmarked one does
     not."""
-    _write(log, _live("initialized", observation_kind="runtime_effective"))
+    _write(log, _live_line(event="initialized", observation_kind="runtime_effective"))
     found = runtime_evidence.runtime_effective_evidence(BUNDLE)
     assert found == f"live runtime evidence launch_id=l pid={os.getpid()} event=initialized"
-    _write(log, _live("initialized"))
+    _write(log, _live_line(event="initialized", observation_kind=None))
     assert runtime_evidence.runtime_effective_evidence(BUNDLE) is None
