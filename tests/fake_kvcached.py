@@ -9,7 +9,9 @@ in its sdist: page/block bookkeeping, the shrink rules, the per-pool revision ru
 target), the reserve of mapped free pages (a page emptied by ``free`` stays mapped there,
 up to ``min(total pages, KVCACHED_MAX_RESERVED_PAGES)``, 10 by default; a page mapped
 afresh comes out of it; a shrink that cannot give up enough unmapped pages unmaps the
-whole reserve, a deferred one only when it completes), the allocation order (partly used
+whole reserve, a deferred one only when it completes; with ``min_reserved_pages``, kvcached's
+prealloc thread topping the reserve up to that minimum at start-up and whenever a page taken
+for an allocation leaves it below, seen as settled), the allocation order (partly used
 pages best-fit, then fresh pages, bounded by the device's free pages plus the reserved
 ones, as ``available_size`` counts them), block 0 kept as the null block when asked,
 quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
@@ -102,7 +104,7 @@ class FakeKVCacheManager:
                  page_size: int = 1 << 20, num_layers: int = 4, num_kv_buffers: int = 2,
                  group_id: int = 0, pool_name: str | None = "block_pool",
                  physical_free_pages: int = 1000, reserve_null_block: bool = False,
-                 max_reserved_pages: int = 10) -> None:
+                 max_reserved_pages: int = 10, min_reserved_pages: int = 0) -> None:
         self.block_mem_size = block_mem_size
         self.page_size = page_size
         self.num_layers = num_layers
@@ -120,6 +122,9 @@ class FakeKVCacheManager:
         # A freed page stays mapped in that reserve while it holds fewer than this many
         # (kvcached: min(total pages, KVCACHED_MAX_RESERVED_PAGES), default 10).
         self.max_reserved_pages = min(self.capacity_pages, max_reserved_pages)
+        # kvcached's prealloc thread (KVCACHED_PAGE_PREALLOC_ENABLED, on by default) keeps at
+        # least this many mapped (KVCACHED_MIN_RESERVED_PAGES, 5); 0 models it switched off.
+        self.min_reserved_pages = min_reserved_pages
         # kvcached names the pool's segment after KVCACHED_IPC_NAME (read at its import).
         self.ipc_name = os.environ.get("KVCACHED_IPC_NAME") or "kvcached_fake"
         self._lock: Any = NoOpLock()
@@ -129,6 +134,7 @@ class FakeKVCacheManager:
         self._effective: int | None = None
         if reserve_null_block:  # vLLM asks for it: block 0 is never handed out
             self.allocated.add(0)
+        self._prealloc()  # the thread's first fill, at start-up
 
     # -- block bookkeeping
     def _page(self, block: int) -> int:
@@ -178,7 +184,18 @@ class FakeKVCacheManager:
         self.allocated.update(taken)
         # A page mapped afresh comes out of the reserve while it has one.
         self.reserved_pages -= min(self.reserved_pages, fresh)
+        if fresh:
+            # Taking a page that leaves the reserve below its minimum (or finding it empty)
+            # wakes the prealloc thread; modelled as settled, as a test sees it after waiting.
+            self._prealloc()
         return taken
+
+    def _prealloc(self) -> None:
+        """Top the reserve up to its minimum from the unmapped free pages the device can
+        back (kvcached's prealloc worker; it never takes a reserve above the minimum)."""
+        unmapped = self.capacity_pages - self.inuse_pages() - self.reserved_pages
+        want = self.min_reserved_pages - self.reserved_pages
+        self.reserved_pages += max(0, min(want, unmapped, self.page_allocator.physical_free_pages))
 
     @_synchronized
     def free(self, ids: Iterable[int]) -> None:

@@ -1,11 +1,12 @@
 """One scripted life of a kvcached pool, for comparing the tests' fake with a real pool.
 
 ``fidelity_steps`` drives a pool through allocations, a deferred shrink and its end, the
-revision rules (apply, idempotent, conflict, stale, beyond the virtual size) and the
-reserve of mapped free pages (filled past its size, then cut by a shrink), and
-after each step records what the provider reads of the pool. tests/test_kvcached_real.py
-runs it on a real kvcached pool (on a CUDA machine) and on the fake, and compares them;
-tests/test_kvcached_fidelity.py compares the fake with a recording of the real run
+revision rules (apply, idempotent, conflict, stale, beyond the virtual size), the
+reserve of mapped free pages (filled past its size, then cut by a shrink) and, when
+kvcached's prealloc thread is on, what wakes it, and after each step records what the
+provider reads of the pool. tests/test_kvcached_real.py runs it on a real kvcached pool
+(on a CUDA machine, with the thread off and on) and on the fake, and compares them;
+tests/test_kvcached_fidelity.py compares the fake with recordings of the real runs
 (``kvcached_real_fidelity.json``).
 """
 
@@ -20,16 +21,19 @@ _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
                "overage_bytes")
 
 
-def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, Any]]:
+def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
+                   settle: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """Drive ``pool`` (real or fake) through the script; after each step, what the
     provider reads of it: free blocks, pages in use, the shrink flag, the limit state and
     the step's answer (a state for a limit; for an allocation, how many blocks went to each
-    page, an empty list when it failed)."""
+    page, an empty list when it failed). ``settle`` runs before each reading: a real pool
+    with kvcached's prealloc thread on must be given time to refill its reserve."""
     per_page = pool.page_size // pool.block_mem_size
     one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
     seen: list[dict[str, Any]] = []
 
     def look(step: str, answer: Any = None) -> None:
+        settle()
         state = pool.memory_limit_state()
         if isinstance(answer, dict):
             answer = {k: answer.get(k) for k in _STATE_KEYS}
@@ -66,6 +70,12 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int]) -> list[dict[str, 
     look("the same again", pool.set_memory_limit(10 * one_page, revision=2))
     look("another limit, same revision", pool.set_memory_limit(12 * one_page, revision=2))
     look("an older revision", pool.set_memory_limit(5 * one_page, revision=1))
+    # The reserve is empty here (the shrink unmapped it): a block that fits a page in use
+    # maps no page, so kvcached's prealloc thread is not woken.
+    beside = alloc(1)
+    look("allocate 1 block beside the null block", spread(beside))
+    pool.free(beside)
+    look("free it")
     look("allocate 10 pages", spread(alloc(10 * per_page)))
     most = alloc(10 * per_page - 1)
     look("allocate all but one block of 10 pages", spread(most))

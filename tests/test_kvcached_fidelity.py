@@ -1,13 +1,15 @@
 """The tests' fake kvcached pool answers as a real one did, step by step.
 
 ``tests/kvcached_real_fidelity.json`` holds what a real kvcached 0.1.6 pool answered to the
-script of ``tests/kvcached_fidelity.py`` (recorded by tests/test_kvcached_real.py on an
-H200; the file says how). Every CI test of the kvcached provider stands on the fake of
-``tests/fake_kvcached.py``; this guards that the fake keeps answering as that pool did:
-free blocks, pages in use, the shrink flag, each limit answer and the limit state. The
-comparison found one difference, now modelled: kvcached keeps an emptied page mapped in
-its reserve (up to 10 pages), so ``mapped_bytes`` falls only when a shrink unmaps it; the
-fake had unmapped every emptied page at once.
+script of ``tests/kvcached_fidelity.py``, with its prealloc thread off and on (kvcached's
+default), recorded by tests/test_kvcached_real.py on an H200 (the file says how). Every CI
+test of the kvcached provider stands on the fake of ``tests/fake_kvcached.py``; this guards
+that the fake keeps answering as that pool did: free blocks, pages in use, the shrink flag,
+each limit answer and the limit state. The comparisons found two differences, now
+modelled: kvcached keeps an emptied page mapped in its reserve (up to 10 pages), so
+``mapped_bytes`` falls only when a shrink unmaps it (the fake had unmapped every emptied
+page at once); and with prealloc on, a thread keeps at least 5 spare pages mapped (the fake
+had no such thread).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.fake_kvcached import FakeKVCacheManager
 from tests.kvcached_fidelity import fidelity_steps
 
@@ -23,15 +27,23 @@ RECORD: dict[str, Any] = json.loads(
     (Path(__file__).with_name("kvcached_real_fidelity.json")).read_text(encoding="utf-8"))
 
 
-def test_the_fake_pool_answers_as_the_recorded_real_one() -> None:
+def _fake(min_reserved_pages: int) -> FakeKVCacheManager:
     g = RECORD["geometry"]
-    fake = FakeKVCacheManager(
+    return FakeKVCacheManager(
         num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
         num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=g["reserve_null_block"])
+        reserve_null_block=g["reserve_null_block"], min_reserved_pages=min_reserved_pages)
+
+
+@pytest.mark.parametrize(("recording", "min_reserved_pages"),
+                         [("seen", 0), ("seen_prealloc", 5)],
+                         ids=["prealloc-off", "prealloc-on"])
+def test_the_fake_pool_answers_as_the_recorded_real_one(recording: str,
+                                                        min_reserved_pages: int) -> None:
+    fake = _fake(min_reserved_pages)
     faked = fidelity_steps(fake, fake.inuse_pages)
-    real = RECORD["seen"]
+    real = RECORD[recording]
     assert [s["step"] for s in faked] == [s["step"] for s in real]
     for got, want in zip(faked, real, strict=True):
         assert got == want, f"at {want['step']!r}"
@@ -48,3 +60,31 @@ def test_the_recording_shows_the_reserve_of_mapped_pages() -> None:
     assert freed["inuse_pages"] == 1 and freed["state"]["mapped_bytes"] == 10 * one_page
     ended = by_step["free everything"]
     assert not ended["in_shrink"] and ended["state"]["mapped_bytes"] == one_page
+
+
+def test_the_prealloc_recording_shows_the_thread_refilling_the_reserve() -> None:
+    """The prealloc recording itself: at start-up five spare pages are mapped beside the
+    null block's page; an allocation that empties the reserve leaves five mapped spares
+    again once the thread has run; frees grow the reserve past five (to its maximum of ten)
+    without the thread taking any back; a block that fits a page in use does not wake the
+    thread (the reserve a shrink emptied stays empty); and after a shrink the refill stops at
+    the pages the limit leaves unmapped."""
+    off = {s["step"]: s for s in RECORD["seen"]}
+    on = {s["step"]: s for s in RECORD["seen_prealloc"]}
+    g = RECORD["geometry"]
+    one_page = g["page_size"] * g["num_layers"] * g["num_kv_buffers"]
+
+    def spare(step: str) -> int:
+        seen = on[step]
+        return int(seen["state"]["mapped_bytes"]) // one_page - int(seen["inuse_pages"])
+
+    assert on["start"]["inuse_pages"] == 1 and spare("start") == 5
+    assert spare("free everything") == 0 and spare("allocate 1 block beside the null block") == 0
+    assert spare("allocate 13 pages") == 5
+    assert spare("free them, past the reserve's size") == 10
+    # Limit 4 pages, 3 in use after the last allocation: the one page left is the reserve.
+    assert on["allocate 2 pages"]["inuse_pages"] == 3 and spare("allocate 2 pages") == 1
+    # What the thread does not change: free blocks, pages in use, the shrink flag.
+    for step, seen in on.items():
+        assert (seen["available"], seen["inuse_pages"], seen["in_shrink"]) == (
+            off[step]["available"], off[step]["inuse_pages"], off[step]["in_shrink"]), step

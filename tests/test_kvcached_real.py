@@ -22,10 +22,13 @@ guards what the fakes can only assume:
   module, CUDA build and torch floor all pass on a real build;
 - the fake pool every CI test uses (tests/fake_kvcached.py) follows a real pool of the
   same geometry through one scripted life: allocations, a deferred shrink and its end,
-  and the revision rules, compared on everything the provider reads.
+  and the revision rules, compared on everything the provider reads, with kvcached's
+  prealloc thread off and on.
 
 The tests share one pool and run in file order: each builds on the limit the previous one
-left (revisions only grow).
+left (revisions only grow). The shared pool runs with kvcached's prealloc thread off unless
+``BIDKV_REAL_KVCACHED_PREALLOC=true`` (scripts/kvcached-gpu-check.sh runs the module both
+ways).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ HEADS, HEAD_DIM = 8, 64
 CELL = HEADS * HEAD_DIM * 2  # bytes per token per layer for K (or V), float16
 NUM_BLOCKS = 8192
 MIB = 1 << 20
+# kvcached maps spare pages ahead from a background thread unless told not to (its default is
+# on). The shared pool runs with it off, so that page counts are exact; set
+# BIDKV_REAL_KVCACHED_PREALLOC=true to run the module's tests under kvcached's default.
+PREALLOC = os.environ.get("BIDKV_REAL_KVCACHED_PREALLOC", "false")
 
 
 def open_pool(ipc: str) -> Any:
@@ -92,8 +99,7 @@ def pool(state: Path) -> Iterator[Any]:
     saved = {k: os.environ.get(k) for k in ("KVCACHED_IPC_NAME", "KVCACHED_PAGE_PREALLOC_ENABLED",
                                             "KVCACHED_PROVIDER_STATE_DIR")}
     os.environ["KVCACHED_IPC_NAME"] = IPC
-    # Pre-mapped spare pages would blur the page counts compared below.
-    os.environ["KVCACHED_PAGE_PREALLOC_ENABLED"] = "false"
+    os.environ["KVCACHED_PAGE_PREALLOC_ENABLED"] = PREALLOC
     os.environ["KVCACHED_PROVIDER_STATE_DIR"] = str(state)
     manager = open_pool(IPC)
     try:
@@ -346,33 +352,49 @@ def test_pre_launch_checks_pass_on_a_real_build() -> None:
 
 
 _FIDELITY = """
-import json, os, sys
+import json, os, sys, time
 sys.path[:0] = [{root!r}, {src!r}]
 from tests.kvcached_fidelity import fidelity_steps
 from tests.test_kvcached_real import open_pool
 pool = open_pool(os.environ["KVCACHED_IPC_NAME"])
+def settle():
+    # With prealloc on, a background thread refills the reserve after an allocation; the
+    # reading waits until the reserved count has held still for 0.2 s (5 s at most).
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        now = pool.page_allocator.get_num_reserved_pages()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.2:
+            return
+        time.sleep(0.01)
 geometry = {{k: int(getattr(pool, k)) for k in ("mem_size", "block_mem_size", "page_size",
                                                 "num_layers", "num_kv_buffers")}}
-seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages)
+seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages, settle)
 print(json.dumps({{"geometry": geometry, "seen": seen}}), flush=True)
 from kvcached.integration.vllm import interfaces
 interfaces.shutdown_kvcached()
 """
 
 
-def test_the_fake_pool_follows_a_real_one() -> None:
+@pytest.mark.parametrize("prealloc", ["false", "true"], ids=["prealloc-off", "prealloc-on"])
+def test_the_fake_pool_follows_a_real_one(prealloc: str) -> None:
     """The CI tests' fake pool answers as a real pool of the same geometry does, step by
     step, on everything the provider reads (the fakes otherwise rest on reading
-    kvcached's source). The line it prints (see it with ``-rA``) holds the real answers;
-    tests/kvcached_real_fidelity.json keeps them for CI: refresh its ``seen`` from that
-    line's ``real`` after a kvcached upgrade or a change to the script."""
+    kvcached's source), with kvcached's prealloc thread off and on (its default, refilling
+    a reserve of KVCACHED_MIN_RESERVED_PAGES, 5). The line it prints (see it with ``-rA``)
+    holds the real answers; tests/kvcached_real_fidelity.json keeps them for CI: refresh its
+    ``seen`` (prealloc off) and ``seen_prealloc`` (on) from those lines' ``real`` after a
+    kvcached upgrade or a change to the script."""
     from kvcached_provider.checks import shm_dir
     from kvcached_provider.segments import tp_socket_dir
     from tests.fake_kvcached import FakeKVCacheManager
     from tests.kvcached_fidelity import fidelity_steps
 
-    ipc = f"{IPC}_fid"
-    env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED="false")
+    ipc = f"{IPC}_fid_{prealloc}"
+    env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED=prealloc)
+    env.pop("KVCACHED_MIN_RESERVED_PAGES", None)
+    env.pop("KVCACHED_MAX_RESERVED_PAGES", None)
     try:
         done = subprocess.run(
             [sys.executable, "-c", _FIDELITY.format(root=str(ROOT), src=str(ROOT / "src"))],
@@ -389,8 +411,9 @@ def test_the_fake_pool_follows_a_real_one() -> None:
         num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
         num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=True)
+        reserve_null_block=True, min_reserved_pages=5 if prealloc == "true" else 0)
     faked = fidelity_steps(fake, fake.inuse_pages)
-    print(json.dumps({"real": real["seen"], "fake": faked}))  # for -rA / -s on a mismatch
+    # For -rA / -s, and to refresh the recording.
+    print(json.dumps({"prealloc": prealloc, "real": real["seen"], "fake": faked}))
     for got, want in zip(faked, real["seen"], strict=True):
         assert got == want, f"at {want['step']!r}"
