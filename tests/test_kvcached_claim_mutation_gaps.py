@@ -10,7 +10,8 @@ another (``llama-8000`` beside ``llama``) is not named as that other name's hold
 where ``/proc`` cannot be listed the claim still decides, its holders unnamed. The
 plugin starts its limit responder when the claim cannot be made. And the bounded lock wait
 (``locking.lock_exclusive_within``, the claim's launch turn and the limit exchange) gives
-up at its deadline, polling at its interval, and takes a lock let go while it waits.
+up at its deadline, polling at its interval, and takes a lock let go while it waits; the
+launch turn's wait is the documented 5 s (the one survivor left by the audit, killed since).
 Real processes stand in for engines, as in test_kvcached_claim.py.
 """
 
@@ -199,3 +200,31 @@ def test_the_bounded_lock_wait_keeps_its_deadline_and_poll(
     finally:
         os.close(waiter)
         os.close(holder)
+
+
+def test_a_launch_waits_five_seconds_for_a_held_turn_then_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch turn (``<claim>.launch``) is held by another launcher only while it tests
+    and claims; one stopped in between costs this launch 5 s (the documented bound), polled
+    every 10 ms, then a refusal that names the turn file and the wait, and no claim.
+    Counted on a fake clock, not timed. Left open by the twenty-first audit (the wait's
+    length survived as a mutant)."""
+    turn = claim.claim_path(NAME, tmp_path).with_name(f"{NAME}.launch")
+    turn.parent.mkdir(parents=True)
+    turn.touch()
+    holder = os.open(turn, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        clock = _Clock(lambda count: None)
+        monkeypatch.setattr(locking, "time", clock)
+        with pytest.raises(claim.ClaimError) as refused:
+            claim.claim_for_launch(NAME, tmp_path)
+    finally:
+        os.close(holder)
+    assert str(refused.value) == (
+        f"cannot test the claim {claim.claim_path(NAME, tmp_path)}: another launch has held "
+        f"its turn ({NAME}.launch) for over 5 s")
+    assert set(clock.sleeps) == {0.01}
+    assert 5.0 <= clock.now < 5.0 + 0.01 + 1e-9
+    assert claim.claim_path(NAME, tmp_path) not in claim._held
