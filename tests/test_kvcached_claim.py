@@ -32,7 +32,8 @@ import pytest
 
 from kvcached_provider import checks, claim
 
-NAME = "llama-8000"
+# Of this run (engines are started with it in their environment), shaped like "llama-8000".
+NAME = f"llama-{os.getpid()}"
 _ENGINE = (
     "import sys, time\n"
     "import kvcached_provider.activation as a\n"

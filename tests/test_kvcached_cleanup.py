@@ -300,10 +300,13 @@ def test_an_instance_named_like_a_group_keeps_its_record(shm: Path, ipc: str) ->
 
 def test_other_instances_records_are_never_removed(shm: Path, ipc: str) -> None:
     stale = record(shm, "kvcached_vLLM_4242")
-    live = record(shm, "llama-9000")
+    # Users are found machine-wide by the name in their environment: a name of this run's
+    # own, so that another run's engine cannot show up as this one's user.
+    other = f"llama-{uuid.uuid4().hex[:8]}"
+    live = record(shm, other)
     (shm / f"{ipc}x").write_bytes(bytes(segments.RECORD_SIZE))  # total_size 0: not a record
     (shm / "unrelated.bin").write_bytes(b"not a record")  # not record-sized: ignored
-    engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": "llama-9000"})
+    engine = sleeper({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": other})
     try:
         report = segments.cleanup(ipc)
     finally:
