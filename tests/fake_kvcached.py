@@ -11,7 +11,10 @@ up to ``min(total pages, KVCACHED_MAX_RESERVED_PAGES)``, 10 by default; a page m
 afresh comes out of it; a shrink that cannot give up enough unmapped pages unmaps the
 whole reserve, a deferred one only when it completes; with ``min_reserved_pages``, kvcached's
 prealloc thread topping the reserve up to that minimum at start-up and whenever a page taken
-for an allocation leaves it below, seen as settled), the allocation order (partly used
+for an allocation leaves it below, seen as settled), with ``defer_physical_release`` (vLLM's
+async scheduling) an emptied page retired, still mapped and in use, until the engine releases
+its batch's marker, a retired page reused when allocated again, and no shrink completing
+while pages are retired, the allocation order (partly used
 pages best-fit, then fresh pages, bounded by the device's free pages plus the reserved
 ones, as ``available_size`` counts them), block 0 kept as the null block when asked,
 quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
@@ -104,7 +107,8 @@ class FakeKVCacheManager:
                  page_size: int = 1 << 20, num_layers: int = 4, num_kv_buffers: int = 2,
                  group_id: int = 0, pool_name: str | None = "block_pool",
                  physical_free_pages: int = 1000, reserve_null_block: bool = False,
-                 max_reserved_pages: int = 10, min_reserved_pages: int = 0) -> None:
+                 max_reserved_pages: int = 10, min_reserved_pages: int = 0,
+                 defer_physical_release: bool = False) -> None:
         self.block_mem_size = block_mem_size
         self.page_size = page_size
         self.num_layers = num_layers
@@ -125,6 +129,12 @@ class FakeKVCacheManager:
         # kvcached's prealloc thread (KVCACHED_PAGE_PREALLOC_ENABLED, on by default) keeps at
         # least this many mapped (KVCACHED_MIN_RESERVED_PAGES, 5); 0 models it switched off.
         self.min_reserved_pages = min_reserved_pages
+        # Under vLLM's async scheduling a page emptied by ``free`` is only retired: still
+        # mapped and counted in use (its blocks allocatable again) until the engine reports
+        # the worker batch that may read it done (``release_retired_pages_through``).
+        self.defer_physical_release = defer_physical_release
+        self.retired: list[tuple[int, list[int]]] = []  # (epoch, pages), oldest first
+        self._epoch = 0
         # kvcached names the pool's segment after KVCACHED_IPC_NAME (read at its import).
         self.ipc_name = os.environ.get("KVCACHED_IPC_NAME") or "kvcached_fake"
         self._lock: Any = NoOpLock()
@@ -140,8 +150,15 @@ class FakeKVCacheManager:
     def _page(self, block: int) -> int:
         return block // self.blocks_per_page
 
+    def _holding_pages(self) -> set[int]:
+        return {self._page(b) for b in self.allocated}
+
+    def _retired_pages(self) -> set[int]:
+        return {page for _, pages in self.retired for page in pages}
+
     def inuse_pages(self) -> int:
-        return len({self._page(b) for b in self.allocated})
+        """Pages the allocator counts in use: those holding blocks, and retired ones."""
+        return len(self._holding_pages() | self._retired_pages())
 
     def _fresh_pages(self) -> int:
         """Pages a new allocation may map: virtual room, bounded by the device's free pages
@@ -166,7 +183,7 @@ class FakeKVCacheManager:
         if self.available_size() < n:
             return None
         taken: list[int] = []
-        in_use = {self._page(b) for b in self.allocated}
+        in_use = self._holding_pages() | self._retired_pages()
         partly = {p: free for p in in_use if (free := self._free_on(p))}
         while len(taken) < n and partly:
             need = n - len(taken)
@@ -182,6 +199,11 @@ class FakeKVCacheManager:
                 taken += self._free_on(page)[:n - len(taken)]
                 fresh += 1
         self.allocated.update(taken)
+        if self.retired:
+            # A retired page given blocks again is in use again: its release is cancelled.
+            reused = self._holding_pages()
+            self.retired = [(epoch, kept) for epoch, pages in self.retired
+                            if (kept := [page for page in pages if page not in reused])]
         # A page mapped afresh comes out of the reserve while it has one.
         self.reserved_pages -= min(self.reserved_pages, fresh)
         if fresh:
@@ -199,18 +221,43 @@ class FakeKVCacheManager:
 
     @_synchronized
     def free(self, ids: Iterable[int]) -> None:
-        before = self.inuse_pages()
+        before = self._holding_pages()
         self.allocated.difference_update(ids)
-        emptied = before - self.inuse_pages()
+        emptied = sorted(before - self._holding_pages() - self._retired_pages())
+        if self.defer_physical_release and emptied:
+            self._epoch += 1
+            self.retired.append((self._epoch, emptied))
+        else:
+            self._unmap(len(emptied))
+        self._maybe_finish_shrink()
+
+    def _unmap(self, emptied: int) -> None:
         if self.reserved_pages < self.max_reserved_pages:
             # An emptied page stays mapped in the reserve until that is full.
             self.reserved_pages = min(self.max_reserved_pages, self.reserved_pages + emptied)
-        if self.in_shrink and self.target_num_blocks is not None:
-            target_pages = self.target_num_blocks // self.blocks_per_page
-            if self.inuse_pages() <= target_pages:  # enough whole pages are empty
-                self._shrink_to(target_pages)
-                self.in_shrink = False
-                self.target_num_blocks = None
+
+    def _maybe_finish_shrink(self) -> None:
+        # Not while pages are retired: they stay mapped for a batch still in flight.
+        if self.retired or not self.in_shrink or self.target_num_blocks is None:
+            return
+        target_pages = self.target_num_blocks // self.blocks_per_page
+        if self.inuse_pages() <= target_pages:  # enough whole pages are empty
+            self._shrink_to(target_pages)
+            self.in_shrink = False
+            self.target_num_blocks = None
+
+    @_synchronized
+    def capture_physical_release_marker(self) -> int:
+        """The latest retirement epoch (what the engine tags a worker batch with)."""
+        return self._epoch
+
+    @_synchronized
+    def release_retired_pages_through(self, marker: int) -> None:
+        """The batch tagged ``marker`` is done: pages retired up to it are released."""
+        due = [page for epoch, pages in self.retired if epoch <= marker for page in pages]
+        self.retired = [(epoch, pages) for epoch, pages in self.retired if epoch > marker]
+        self._unmap(len(due))
+        self._maybe_finish_shrink()
 
     def _shrink_to(self, target_pages: int) -> None:
         """Capacity becomes ``target_pages``. The pages given up come from the unmapped

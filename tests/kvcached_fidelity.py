@@ -2,8 +2,9 @@
 
 ``fidelity_steps`` drives a pool through allocations, a deferred shrink and its end, the
 revision rules (apply, idempotent, conflict, stale, beyond the virtual size), the
-reserve of mapped free pages (filled past its size, then cut by a shrink) and, when
-kvcached's prealloc thread is on, what wakes it, and after each step records what the
+reserve of mapped free pages (filled past its size, then cut by a shrink), when
+kvcached's prealloc thread is on what wakes it, and under vLLM's async scheduling the pages
+a free retires until the worker batch completes; after each step it records what the
 provider reads of the pool. tests/test_kvcached_real.py runs it on a real kvcached pool
 (on a CUDA machine, with the thread off and on) and on the fake, and compares them;
 tests/test_kvcached_fidelity.py compares the fake with recordings of the real runs
@@ -22,12 +23,18 @@ _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
 
 
 def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
-                   settle: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+                   settle: Callable[[], None] = lambda: None,
+                   release: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Drive ``pool`` (real or fake) through the script; after each step, what the
     provider reads of it: free blocks, pages in use, the shrink flag, the limit state and
     the step's answer (a state for a limit; for an allocation, how many blocks went to each
     page, an empty list when it failed). ``settle`` runs before each reading: a real pool
-    with kvcached's prealloc thread on must be given time to refill its reserve."""
+    with kvcached's prealloc thread on must be given time to refill its reserve.
+
+    ``release`` is for a pool under vLLM's async scheduling, where ``free`` only retires
+    emptied pages until the engine reports the worker batch done: each free is then read
+    twice, before and after ``release`` (the batch completing), and a last step allocates
+    before a batch completes."""
     per_page = pool.page_size // pool.block_mem_size
     one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
     seen: list[dict[str, Any]] = []
@@ -45,6 +52,13 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
         ids = pool.alloc(n)
         return list(ids) if ids is not None else []
 
+    def freed(step: str, ids: list[int]) -> None:
+        pool.free(ids)
+        if release is not None:
+            look(f"{step}, before the batch completes")
+            release()
+        look(step)
+
     def spread(ids: list[int]) -> list[int]:
         # How many of the blocks landed on each page, smallest first: which pages were
         # partly used, and how full each new one is (page ids themselves may differ).
@@ -55,17 +69,14 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
     look("allocate 3 pages and 5 blocks", spread(first))
     second = alloc(per_page // 2)
     look("allocate half a page", spread(second))
-    pool.free(first[: 2 * per_page])
-    look("free 2 pages' worth of the first")
+    freed("free 2 pages' worth of the first", first[: 2 * per_page])
     look("limit 1 page, below the pages in use", pool.set_memory_limit(one_page, revision=1))
     third = alloc(1)
     look("allocate 1 block while shrinking", spread(third))
     fourth = alloc(per_page)
     look("allocate a page while shrinking", spread(fourth))
-    pool.free(first[2 * per_page:])
-    look("free the rest of the first")
-    pool.free(second + third + fourth)
-    look("free everything")
+    freed("free the rest of the first", first[2 * per_page:])
+    freed("free everything", second + third + fourth)
     look("raise to 10 pages", pool.set_memory_limit(10 * one_page, revision=2))
     look("the same again", pool.set_memory_limit(10 * one_page, revision=2))
     look("another limit, same revision", pool.set_memory_limit(12 * one_page, revision=2))
@@ -74,19 +85,25 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
     # maps no page, so kvcached's prealloc thread is not woken.
     beside = alloc(1)
     look("allocate 1 block beside the null block", spread(beside))
-    pool.free(beside)
-    look("free it")
+    freed("free it", beside)
     look("allocate 10 pages", spread(alloc(10 * per_page)))
     most = alloc(10 * per_page - 1)
     look("allocate all but one block of 10 pages", spread(most))
-    pool.free(most)
-    look("free them")
+    freed("free them", most)
     look("above the virtual size", pool.set_memory_limit(1 << 50, revision=3))
     many = alloc(13 * per_page)
     look("allocate 13 pages", spread(many))
-    pool.free(many)
-    look("free them, past the reserve's size")
+    freed("free them, past the reserve's size", many)
     look("limit 4 pages, fewer than in use and reserved",
          pool.set_memory_limit(4 * one_page, revision=4))
-    look("allocate 2 pages", spread(alloc(2 * per_page)))
+    last = alloc(2 * per_page)
+    look("allocate 2 pages", spread(last))
+    if release is not None:
+        # Two pages retired, then a page's worth allocated before their batch completes:
+        # it takes one of them back (best fit), and only the other is released.
+        pool.free(last)
+        look("free them, before the batch completes")
+        look("allocate a page before the batch completes", spread(alloc(per_page)))
+        release()
+        look("the batch completes")
     return seen

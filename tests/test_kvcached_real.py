@@ -66,8 +66,10 @@ MIB = 1 << 20
 PREALLOC = os.environ.get("BIDKV_REAL_KVCACHED_PREALLOC", "false")
 
 
-def open_pool(ipc: str) -> Any:
-    """Create and register one vLLM-style kvcached pool, as kvcached's vLLM integration does.
+def open_pool(ipc: str, *, async_sched: bool = False) -> Any:
+    """Create and register one vLLM-style kvcached pool, as kvcached's vLLM integration does
+    (``async_sched``: as under vLLM's async scheduling, where emptied pages are retired until
+    the engine releases them).
 
     ``KVCACHED_IPC_NAME`` must be set before kvcached is first imported (it names the
     segment at import time).
@@ -76,7 +78,7 @@ def open_pool(ipc: str) -> Any:
     import torch
     from kvcached.integration.vllm import interfaces
 
-    interfaces.init_kvcached(tp_rank=0, world_size=1, is_worker=True, async_sched=False)
+    interfaces.init_kvcached(tp_rank=0, world_size=1, is_worker=True, async_sched=async_sched)
     interfaces.alloc_kv_cache(kvcache_shape=(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM),
                               block_size=BLOCK, dtype=torch.float16, device="cuda:0",
                               num_layers=NUM_LAYERS)
@@ -356,7 +358,8 @@ import json, os, sys, time
 sys.path[:0] = [{root!r}, {src!r}]
 from tests.kvcached_fidelity import fidelity_steps
 from tests.test_kvcached_real import open_pool
-pool = open_pool(os.environ["KVCACHED_IPC_NAME"])
+ASYNC = os.environ["BIDKV_FIDELITY_ASYNC"] == "true"
+pool = open_pool(os.environ["KVCACHED_IPC_NAME"], async_sched=ASYNC)
 def settle():
     # With prealloc on, a background thread refills the reserve after an allocation; the
     # reading waits until the reserved count has held still for 0.2 s (5 s at most).
@@ -370,29 +373,37 @@ def settle():
         time.sleep(0.01)
 geometry = {{k: int(getattr(pool, k)) for k in ("mem_size", "block_mem_size", "page_size",
                                                 "num_layers", "num_kv_buffers")}}
-seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages, settle)
+def release():
+    # What kvcached's vLLM integration does once the worker batch tagged with it is done.
+    pool.release_retired_pages_through(pool.capture_physical_release_marker())
+seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages, settle,
+                      release if ASYNC else None)
 print(json.dumps({{"geometry": geometry, "seen": seen}}), flush=True)
 from kvcached.integration.vllm import interfaces
 interfaces.shutdown_kvcached()
 """
 
 
-@pytest.mark.parametrize("prealloc", ["false", "true"], ids=["prealloc-off", "prealloc-on"])
-def test_the_fake_pool_follows_a_real_one(prealloc: str) -> None:
+@pytest.mark.parametrize(("prealloc", "async_sched"),
+                         [("false", "false"), ("true", "false"), ("false", "true")],
+                         ids=["prealloc-off", "prealloc-on", "async"])
+def test_the_fake_pool_follows_a_real_one(prealloc: str, async_sched: str) -> None:
     """The CI tests' fake pool answers as a real pool of the same geometry does, step by
     step, on everything the provider reads (the fakes otherwise rest on reading
     kvcached's source), with kvcached's prealloc thread off and on (its default, refilling
-    a reserve of KVCACHED_MIN_RESERVED_PAGES, 5). The line it prints (see it with ``-rA``)
-    holds the real answers; tests/kvcached_real_fidelity.json keeps them for CI: refresh its
-    ``seen`` (prealloc off) and ``seen_prealloc`` (on) from those lines' ``real`` after a
+    a reserve of KVCACHED_MIN_RESERVED_PAGES, 5), and as under vLLM's async scheduling
+    (thread off). The line it prints (see it with ``-rA``) holds the real answers;
+    tests/kvcached_real_fidelity.json keeps them for CI: refresh its ``seen`` (prealloc
+    off), ``seen_prealloc`` (on) and ``seen_async`` from those lines' ``real`` after a
     kvcached upgrade or a change to the script."""
     from kvcached_provider.checks import shm_dir
     from kvcached_provider.segments import tp_socket_dir
     from tests.fake_kvcached import FakeKVCacheManager
     from tests.kvcached_fidelity import fidelity_steps
 
-    ipc = f"{IPC}_fid_{prealloc}"
-    env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED=prealloc)
+    ipc = f"{IPC}_fid_{prealloc}_{async_sched}"
+    env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED=prealloc,
+               BIDKV_FIDELITY_ASYNC=async_sched)
     env.pop("KVCACHED_MIN_RESERVED_PAGES", None)
     env.pop("KVCACHED_MAX_RESERVED_PAGES", None)
     try:
@@ -411,9 +422,16 @@ def test_the_fake_pool_follows_a_real_one(prealloc: str) -> None:
         num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
         num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=True, min_reserved_pages=5 if prealloc == "true" else 0)
-    faked = fidelity_steps(fake, fake.inuse_pages)
+        reserve_null_block=True, min_reserved_pages=5 if prealloc == "true" else 0,
+        defer_physical_release=async_sched == "true")
+
+    def release() -> None:
+        fake.release_retired_pages_through(fake.capture_physical_release_marker())
+
+    faked = fidelity_steps(fake, fake.inuse_pages,
+                           release=release if async_sched == "true" else None)
     # For -rA / -s, and to refresh the recording.
-    print(json.dumps({"prealloc": prealloc, "real": real["seen"], "fake": faked}))
+    print(json.dumps({"prealloc": prealloc, "async": async_sched, "real": real["seen"],
+                      "fake": faked}))
     for got, want in zip(faked, real["seen"], strict=True):
         assert got == want, f"at {want['step']!r}"
