@@ -24,17 +24,24 @@ _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
 
 def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
                    settle: Callable[[], None] = lambda: None,
-                   release: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+                   retiring: bool = False) -> list[dict[str, Any]]:
     """Drive ``pool`` (real or fake) through the script; after each step, what the
     provider reads of it: free blocks, pages in use, the shrink flag, the limit state and
     the step's answer (a state for a limit; for an allocation, how many blocks went to each
     page, an empty list when it failed). ``settle`` runs before each reading: a real pool
     with kvcached's prealloc thread on must be given time to refill its reserve.
 
-    ``release`` is for a pool under vLLM's async scheduling, where ``free`` only retires
-    emptied pages until the engine reports the worker batch done: each free is then read
-    twice, before and after ``release`` (the batch completing), and a last step allocates
-    before a batch completes."""
+    ``retiring`` is for a pool under vLLM's async scheduling, where ``free`` only retires
+    emptied pages until the engine reports the worker batch done
+    (``release_retired_pages_through`` the marker it captured): each free is then read
+    twice, before and after its batch completes, and the script ends with an allocation
+    before a batch completes and a shrink that two batches hold up."""
+    def release(marker: int | None = None) -> None:
+        # What kvcached's vLLM integration does once a worker batch is done: release the
+        # pages retired up to the marker that batch was tagged with (the latest by default).
+        done = pool.capture_physical_release_marker() if marker is None else marker
+        pool.release_retired_pages_through(done)
+
     per_page = pool.page_size // pool.block_mem_size
     one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
     seen: list[dict[str, Any]] = []
@@ -54,7 +61,7 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
 
     def freed(step: str, ids: list[int]) -> None:
         pool.free(ids)
-        if release is not None:
+        if retiring:
             look(f"{step}, before the batch completes")
             release()
         look(step)
@@ -98,12 +105,29 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
          pool.set_memory_limit(4 * one_page, revision=4))
     last = alloc(2 * per_page)
     look("allocate 2 pages", spread(last))
-    if release is not None:
+    if retiring:
         # Two pages retired, then a page's worth allocated before their batch completes:
         # it takes one of them back (best fit), and only the other is released.
         pool.free(last)
-        look("free them, before the batch completes")
-        look("allocate a page before the batch completes", spread(alloc(per_page)))
+        look("free the 2 pages, before the batch completes")
+        again = alloc(per_page)
+        look("allocate a page before the batch completes", spread(again))
         release()
         look("the batch completes")
+        # Two more pages (the null block's page filled, one page, one block on another):
+        # four in use, then a limit of two, deferred. Two pages emptied in one batch and
+        # the last in the next: once the first batch completes two pages are in use,
+        # within the limit, but the shrink waits for the second batch too.
+        more = alloc(2 * per_page)
+        look("allocate 2 pages' worth", spread(more))
+        look("limit 2 pages, below the pages in use",
+             pool.set_memory_limit(2 * one_page, revision=5))
+        pool.free(again + more[:-1])
+        first_batch = pool.capture_physical_release_marker()
+        pool.free(more[-1:])
+        look("empty 3 pages over two batches")
+        release(first_batch)
+        look("the first batch completes")
+        release()
+        look("the second batch completes")
     return seen

@@ -373,11 +373,7 @@ def settle():
         time.sleep(0.01)
 geometry = {{k: int(getattr(pool, k)) for k in ("mem_size", "block_mem_size", "page_size",
                                                 "num_layers", "num_kv_buffers")}}
-def release():
-    # What kvcached's vLLM integration does once the worker batch tagged with it is done.
-    pool.release_retired_pages_through(pool.capture_physical_release_marker())
-seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages, settle,
-                      release if ASYNC else None)
+seen = fidelity_steps(pool, pool.page_allocator.get_num_inuse_pages, settle, ASYNC)
 print(json.dumps({{"geometry": geometry, "seen": seen}}), flush=True)
 from kvcached.integration.vllm import interfaces
 interfaces.shutdown_kvcached()
@@ -424,12 +420,7 @@ def test_the_fake_pool_follows_a_real_one(prealloc: str, async_sched: str) -> No
         num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
         reserve_null_block=True, min_reserved_pages=5 if prealloc == "true" else 0,
         defer_physical_release=async_sched == "true")
-
-    def release() -> None:
-        fake.release_retired_pages_through(fake.capture_physical_release_marker())
-
-    faked = fidelity_steps(fake, fake.inuse_pages,
-                           release=release if async_sched == "true" else None)
+    faked = fidelity_steps(fake, fake.inuse_pages, retiring=async_sched == "true")
     # For -rA / -s, and to refresh the recording.
     print(json.dumps({"prealloc": prealloc, "async": async_sched, "real": real["seen"],
                       "fake": faked}))
