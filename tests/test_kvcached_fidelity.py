@@ -9,7 +9,10 @@ each limit answer and the limit state. The comparisons found two differences, no
 modelled: kvcached keeps an emptied page mapped in its reserve (up to 10 pages), so
 ``mapped_bytes`` falls only when a shrink unmaps it (the fake had unmapped every emptied
 page at once); and with prealloc on, a thread keeps at least 5 spare pages mapped (the fake
-had no such thread).
+had no such thread). Under vLLM's async scheduling, not yet recorded on a GPU, the fake is
+held to kvcached's own Python instead (``tests/kvcached_python_fidelity.json``, made by
+tests/test_kvcached_python.py over an emulation of kvcached's compiled allocator that
+answers as the GPU pool did).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ RECORD: dict[str, Any] = json.loads(
     (Path(__file__).with_name("kvcached_real_fidelity.json")).read_text(encoding="utf-8"))
 
 
-def _fake(min_reserved_pages: int) -> FakeKVCacheManager:
+def _fake(min_reserved_pages: int, *, defer_physical_release: bool = False
+          ) -> FakeKVCacheManager:
     g = RECORD["geometry"]
     return FakeKVCacheManager(
         num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
         num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=g["reserve_null_block"], min_reserved_pages=min_reserved_pages)
+        reserve_null_block=g["reserve_null_block"], min_reserved_pages=min_reserved_pages,
+        defer_physical_release=defer_physical_release)
 
 
 @pytest.mark.parametrize(("recording", "min_reserved_pages"),
@@ -88,3 +93,19 @@ def test_the_prealloc_recording_shows_the_thread_refilling_the_reserve() -> None
     for step, seen in on.items():
         assert (seen["available"], seen["inuse_pages"], seen["in_shrink"]) == (
             off[step]["available"], off[step]["inuse_pages"], off[step]["in_shrink"]), step
+
+
+def test_the_fake_retires_pages_as_kvcached_python_did() -> None:
+    """vLLM's async scheduling, which no GPU run has recorded yet: the fake answers as
+    kvcached 0.1.6's own Python did over an emulation of its compiled allocator
+    (tests/kvcached_python_fidelity.json, made by tests/test_kvcached_python.py, whose
+    emulation answers as the real pool above did): an emptied page stays mapped and in use
+    until its batch completes, a page taken back before then is not released, and a
+    shrink waits for every batch holding a retired page."""
+    recorded = json.loads((Path(__file__).with_name("kvcached_python_fidelity.json"))
+                          .read_text(encoding="utf-8"))["async"]
+    pool = _fake(0, defer_physical_release=True)
+    faked = fidelity_steps(pool, pool.inuse_pages, retiring=True)
+    assert [s["step"] for s in faked] == [s["step"] for s in recorded]
+    for got, want in zip(faked, recorded, strict=True):
+        assert got == want, f"at {want['step']!r}"

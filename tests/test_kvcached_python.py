@@ -13,7 +13,8 @@ unpacked kvcached 0.1.6 sdist (``scripts/kvcached-python-check.sh`` does) to run
   it can be checked;
 - under vLLM's async scheduling (``defer_physical_release``: pages retired until the
   engine releases their batch), which no GPU run has recorded yet, the fake pool of
-  tests/fake_kvcached.py answers as kvcached's Python does, at every step.
+  tests/fake_kvcached.py answers as kvcached's Python does, at every step, and
+  tests/kvcached_python_fidelity.json (which CI holds the fake to) is kvcached's answer.
 
 Each side runs in a child process: the emulation replaces modules in ``sys.modules``.
 """
@@ -95,6 +96,18 @@ def test_kvcached_python_over_the_emulation_answers_as_the_real_pool_did() -> No
     assert [s["step"] for s in emulated] == [s["step"] for s in real]
     for got, want in zip(emulated, real, strict=True):
         assert got == want, f"at {want['step']!r}"
+
+
+def test_the_recording_is_kvcached_pythons_answer() -> None:
+    """tests/kvcached_python_fidelity.json, which CI holds the fake to
+    (tests/test_kvcached_fidelity.py), is what kvcached's Python answers now: refresh its
+    ``async`` from the line printed here (``-rA``) after a kvcached upgrade or a change to
+    the script."""
+    reference = kvcached_python(async_sched=True)
+    print(json.dumps({"async": reference}))
+    recorded = json.loads((Path(__file__).with_name("kvcached_python_fidelity.json"))
+                          .read_text(encoding="utf-8"))
+    assert recorded["async"] == reference
 
 
 def test_the_fake_retires_pages_as_kvcached_python_does() -> None:
