@@ -8,13 +8,16 @@ a free retires until the worker batch completes; after each step it records what
 provider reads of the pool. tests/test_kvcached_real.py runs it on a real kvcached pool
 (on a CUDA machine, with the thread off and on) and on the fake, and compares them;
 tests/test_kvcached_fidelity.py compares the fake with recordings of the real runs
-(``kvcached_real_fidelity.json``).
+(``kvcached_real_fidelity.json``). ``provider_steps`` reads two pools through the provider
+itself; tests/test_kvcached_python.py runs it on kvcached's own Python (over an emulation of
+its compiled allocator) and records the answers (``kvcached_python_fidelity.json``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
@@ -130,4 +133,57 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
         look("the first batch completes")
         release()
         look("the second batch completes")
+    return seen
+
+
+def provider_steps(pools: Sequence[Any], inuse_pages: Callable[[Any], int],
+                   retiring: bool = False) -> list[dict[str, Any]]:
+    """Two registered pools (KV groups 0 and 1, one geometry) through the provider's own
+    readings: ``current_signals`` after each step, ``apply_here``'s answers to instance
+    limits (kvcached splits one limit over the pools: a deferred share beside an applied
+    one, an uneven split, conflict, stale, beyond the virtual size) and ``pages_released``
+    against the pages a free takes out of use. ``retiring`` as in :func:`fidelity_steps`:
+    each free is read before and after its batch completes."""
+    from kvcached_provider.limit import apply_here
+    from kvcached_provider.signals import current_signals, pages_released
+
+    first, second = pools
+    per_page = first.page_size // first.block_mem_size
+    one_page = first.page_size * first.num_layers * first.num_kv_buffers
+    seen: list[dict[str, Any]] = []
+
+    def look(step: str, answer: Any = None) -> None:
+        signals = current_signals()
+        seen.append({"step": step, "signals": None if signals is None else asdict(signals),
+                     "inuse_pages": [int(inuse_pages(p)) for p in pools], "answer": answer})
+
+    def limit(nbytes: int, revision: int) -> dict[str, Any]:
+        answer = apply_here("fidelity", nbytes, revision, check_startup=False).to_dict()
+        answer.pop("ipc_name")
+        return answer
+
+    def freed(step: str, pool: Any, ids: list[int], group_id: int) -> None:
+        predicted, before = pages_released(ids, group_id), int(inuse_pages(pool))
+        pool.free(ids)
+        if retiring:
+            look(f"{step}, before the batch completes")
+            pool.release_retired_pages_through(pool.capture_physical_release_marker())
+        look(step, {"predicted": predicted, "released": before - int(inuse_pages(pool))})
+
+    look("start")
+    a = list(first.alloc(5 * per_page + 3))
+    b = list(second.alloc(2 * per_page))
+    look("5 pages and 3 blocks in group 0, 2 pages in group 1", [len(a), len(b)])
+    look("instance limit of 6 pages: group 0 deferred, group 1 applied", limit(6 * one_page, 1))
+    a += list(first.alloc(1))
+    b += list(second.alloc(1))
+    look("a block in each while group 0 shrinks")
+    look("an unknown group releases nothing known", pages_released(a[:1], group_id=5))
+    freed("free 3 pages' worth in group 0", first, a[: 3 * per_page], 0)
+    freed("free the rest of group 0", first, a[3 * per_page:], 0)
+    look("7 pages and a byte, split unevenly", limit(7 * one_page + 1, 2))
+    look("another limit, same revision", limit(8 * one_page, 2))
+    look("an older revision", limit(5 * one_page, 1))
+    look("above the virtual size", limit(1 << 50, 3))
+    freed("free group 1", second, b, 1)
     return seen

@@ -23,22 +23,25 @@ from typing import Any
 
 import pytest
 
-from tests.fake_kvcached import FakeKVCacheManager
-from tests.kvcached_fidelity import fidelity_steps
+from tests.fake_kvcached import FakeKVCacheManager, install
+from tests.kvcached_fidelity import fidelity_steps, provider_steps
 
 RECORD: dict[str, Any] = json.loads(
     (Path(__file__).with_name("kvcached_real_fidelity.json")).read_text(encoding="utf-8"))
+PYTHON_RECORD: dict[str, Any] = json.loads(
+    (Path(__file__).with_name("kvcached_python_fidelity.json")).read_text(encoding="utf-8"))
 
 
-def _fake(min_reserved_pages: int, *, defer_physical_release: bool = False
-          ) -> FakeKVCacheManager:
+def _fake(min_reserved_pages: int = 0, *, defer_physical_release: bool = False,
+          group_id: int = 0, physical_free_pages: int = 1 << 20) -> FakeKVCacheManager:
+    """A fake pool of the recorded geometry."""
     g = RECORD["geometry"]
     return FakeKVCacheManager(
         num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
-        num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=g["reserve_null_block"], min_reserved_pages=min_reserved_pages,
-        defer_physical_release=defer_physical_release)
+        num_kv_buffers=g["num_kv_buffers"], group_id=group_id,
+        physical_free_pages=physical_free_pages, reserve_null_block=g["reserve_null_block"],
+        min_reserved_pages=min_reserved_pages, defer_physical_release=defer_physical_release)
 
 
 @pytest.mark.parametrize(("recording", "min_reserved_pages"),
@@ -102,10 +105,42 @@ def test_the_fake_retires_pages_as_kvcached_python_did() -> None:
     emulation answers as the real pool above did): an emptied page stays mapped and in use
     until its batch completes, a page taken back before then is not released, and a
     shrink waits for every batch holding a retired page."""
-    recorded = json.loads((Path(__file__).with_name("kvcached_python_fidelity.json"))
-                          .read_text(encoding="utf-8"))["async"]
-    pool = _fake(0, defer_physical_release=True)
+    recorded = PYTHON_RECORD["async"]
+    pool = _fake(defer_physical_release=True)
     faked = fidelity_steps(pool, pool.inuse_pages, retiring=True)
+    assert [s["step"] for s in faked] == [s["step"] for s in recorded]
+    for got, want in zip(faked, recorded, strict=True):
+        assert got == want, f"at {want['step']!r}"
+
+
+def fake_provider_steps(monkeypatch: pytest.MonkeyPatch, *, retiring: bool) -> list[Any]:
+    """``provider_steps`` on two fake pools of the recorded geometry, registered in the fake
+    kvcached modules; the answers as JSON has them (tuples as lists)."""
+    from kvcached_provider import signals
+
+    kv = install(monkeypatch)
+    signals.reset_cache()
+    try:
+        # The emulation under kvcached's Python reports unlimited device memory (1 << 40).
+        pools = [kv.register(_fake(defer_physical_release=retiring, group_id=group,
+                                   physical_free_pages=1 << 40)) for group in (0, 1)]
+        seen = provider_steps(pools, lambda pool: pool.inuse_pages(), retiring=retiring)
+    finally:
+        signals.reset_cache()
+    answers: list[Any] = json.loads(json.dumps(seen))
+    return answers
+
+
+@pytest.mark.parametrize("recording", ["provider", "provider_async"])
+def test_the_provider_reads_two_fake_pools_as_kvcached_python(
+    monkeypatch: pytest.MonkeyPatch, recording: str
+) -> None:
+    """Two pools read through the provider itself (capacity signals summed over the pools,
+    instance limits split over them, ``pages_released``), synchronous and under async
+    scheduling: the fake answers as kvcached's own Python did (its pool registry, its
+    control module's split, its manager), recorded in tests/kvcached_python_fidelity.json."""
+    recorded = PYTHON_RECORD[recording]
+    faked = fake_provider_steps(monkeypatch, retiring=recording == "provider_async")
     assert [s["step"] for s in faked] == [s["step"] for s in recorded]
     for got, want in zip(faked, recorded, strict=True):
         assert got == want, f"at {want['step']!r}"

@@ -32,6 +32,7 @@ import pytest
 
 from tests.fake_kvcached import FakeKVCacheManager
 from tests.kvcached_fidelity import fidelity_steps
+from tests.test_kvcached_fidelity import fake_provider_steps
 
 SOURCE = os.environ.get("BIDKV_KVCACHED_SRC", "")
 if not SOURCE:
@@ -46,7 +47,7 @@ BLOCK = 16
 
 _SCRIPT = """
 import json, sys
-sys.path[:0] = [{root!r}]
+sys.path[:0] = [{root!r}, {src!r}]
 from tests import kvcached_cpp_emulation
 kvcached_cpp_emulation.install({source!r})
 from kvcached.kv_cache_manager import KVCacheManager
@@ -60,18 +61,46 @@ print(json.dumps(seen))
 """
 
 
-def kvcached_python(*, async_sched: bool) -> list[dict[str, Any]]:
+_PROVIDER_SCRIPT = """
+import json, sys
+sys.path[:0] = [{root!r}, {src!r}]
+from tests import kvcached_cpp_emulation
+kvcached_cpp_emulation.install({source!r})
+from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.pool_registry import register_kv_cache_pool
+from tests.kvcached_fidelity import provider_steps
+async_sched = {async_sched!r}
+pools = []
+for group in (0, 1):
+    pool = KVCacheManager({blocks}, {block}, {cell}, 4, reserve_null_block=True,
+                          async_sched=async_sched, defer_physical_release=async_sched,
+                          group_id=group, pool_name="block_pool")
+    pool._wait_post_init()
+    register_kv_cache_pool(pool, integration="vllm")
+    pools.append(pool)
+seen = provider_steps(pools, lambda pool: pool.page_allocator.get_num_inuse_pages(),
+                      retiring=async_sched)
+print(json.dumps(seen))
+"""
+
+
+def _run(script: str, *, async_sched: bool) -> list[Any]:
     g = RECORD["geometry"]
-    script = _SCRIPT.format(root=str(ROOT), source=SOURCE, async_sched=async_sched,
-                            blocks=g["mem_size"] // g["block_mem_size"], block=BLOCK, cell=CELL)
+    code = script.format(root=str(ROOT), src=str(ROOT / "src"), source=SOURCE,
+                         async_sched=async_sched, blocks=g["mem_size"] // g["block_mem_size"],
+                         block=BLOCK, cell=CELL)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env.update(KVCACHED_PAGE_PREALLOC_ENABLED="false", KVCACHED_IPC_NAME=f"bidkv_py_{os.getpid()}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [text for text in done.stdout.splitlines() if text.startswith("[")]
-    seen: list[dict[str, Any]] = json.loads(line)
+    seen: list[Any] = json.loads(line)
     return seen
+
+
+def kvcached_python(*, async_sched: bool) -> list[dict[str, Any]]:
+    return _run(_SCRIPT, async_sched=async_sched)
 
 
 def fake(*, async_sched: bool) -> list[dict[str, Any]]:
@@ -98,16 +127,35 @@ def test_kvcached_python_over_the_emulation_answers_as_the_real_pool_did() -> No
         assert got == want, f"at {want['step']!r}"
 
 
+def answers() -> dict[str, list[Any]]:
+    """What tests/kvcached_python_fidelity.json records, as kvcached's Python answers now."""
+    return {"async": kvcached_python(async_sched=True),
+            "provider": _run(_PROVIDER_SCRIPT, async_sched=False),
+            "provider_async": _run(_PROVIDER_SCRIPT, async_sched=True)}
+
+
 def test_the_recording_is_kvcached_pythons_answer() -> None:
     """tests/kvcached_python_fidelity.json, which CI holds the fake to
-    (tests/test_kvcached_fidelity.py), is what kvcached's Python answers now: refresh its
-    ``async`` from the line printed here (``-rA``) after a kvcached upgrade or a change to
-    the script."""
-    reference = kvcached_python(async_sched=True)
-    print(json.dumps({"async": reference}))
+    (tests/test_kvcached_fidelity.py), is what kvcached's Python answers now: refresh it
+    from the line printed here (``-rA``) after a kvcached upgrade or a change to a script."""
+    now = answers()
+    print(json.dumps(now))
     recorded = json.loads((Path(__file__).with_name("kvcached_python_fidelity.json"))
                           .read_text(encoding="utf-8"))
-    assert recorded["async"] == reference
+    for key, value in now.items():
+        assert recorded[key] == value, key
+
+
+def test_the_provider_reads_the_fake_as_kvcached_python(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Two pools through the provider's own readings, synchronous and async: the fake's
+    answers are kvcached's."""
+    for retiring in (False, True):
+        reference = _run(_PROVIDER_SCRIPT, async_sched=retiring)
+        faked = fake_provider_steps(monkeypatch, retiring=retiring)
+        assert [s["step"] for s in faked] == [s["step"] for s in reference]
+        for got, want in zip(faked, reference, strict=True):
+            assert got == want, f"at {want['step']!r} (async {retiring})"
 
 
 def test_the_fake_retires_pages_as_kvcached_python_does() -> None:
