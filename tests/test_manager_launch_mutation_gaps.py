@@ -33,6 +33,12 @@ pattern, a dropped condition, a slower poll) broke without any other test failin
   member that changed user) is no error: supervision goes on to wait and reap;
 - manager-protocol.md §6.5: at the end of the grace period the group is SIGKILLed then,
   not at the end of some longer poll.
+
+A twenty-fifth audit ran the signal-forwarding and exit-code mutants the eighteenth left
+unrun (28 mutants, 4 survived the run and launch tests) and added: a grace of 0 is valid;
+a signal that lands before the child exists reaches it once it does; the group's survivors
+get SIGTERM before SIGKILL; ``ignoring_signals`` ignores SIGINT, SIGTERM and SIGHUP and
+restores the handlers after.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -293,3 +300,83 @@ def test_a_group_that_cannot_be_signalled_is_no_error(
     monkeypatch.setattr(launch.os, "killpg", refusing_killpg)  # type: ignore[attr-defined]
     launch._killpg(12345, signal.SIGTERM)
     assert calls == [(12345, signal.SIGTERM)]
+
+
+# -- twenty-fifth audit: signal forwarding and exit codes (the eighteenth audit's unrun part)
+
+
+def test_a_grace_of_zero_is_accepted() -> None:
+    """manager-protocol.md §6.5: ``--shutdown-grace-seconds`` "must be ≥ 0", so 0 (SIGKILL
+    as soon as the forwarded signal is not enough) is a valid grace; below 0 is not.
+    Mutant: 0 refused along with the negatives."""
+    launch.check_grace(0.0)
+    with pytest.raises(ValueError, match="must be >= 0 and finite"):
+        launch.check_grace(-0.001)
+
+
+def test_a_signal_before_the_child_exists_is_forwarded_once_it_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """§6.5: "a signal received before the child starts is forwarded as soon as it exists".
+    One SIGTERM lands while the child is being spawned; the child, which exits 0 on SIGTERM
+    after noting it, gets it at once rather than being SIGKILLed at the (20 s) grace
+    deadline. The child starts with SIGTERM blocked (the mask survives exec) and unblocks it
+    once its handler is in place, so the forward cannot outrun the handler. Mutant: the
+    forward after the spawn dropped."""
+    noted = tmp_path / "termed"
+    program = (
+        "import signal, sys, time\n"
+        f"def on_term(*_):\n    open({str(noted)!r}, 'w').write('1')\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
+        "time.sleep(60)\n"
+    )
+    real_popen = subprocess.Popen
+
+    def popen_after_a_signal(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the manager's own handler
+        block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # noqa: E731
+        return real_popen(*args, preexec_fn=block, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_after_a_signal)
+    started = time.monotonic()
+    code = launch.supervise([sys.executable, "-c", program], dict(os.environ), grace=20.0)
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10.0  # not the 20 s grace
+    assert noted.read_text() == "1"
+
+
+def test_group_survivors_get_sigterm_before_sigkill(tmp_path: Path) -> None:
+    """§6.5: "after the direct child exits, surviving group members get SIGTERM, then
+    SIGKILL at the deadline": a grandchild that handles SIGTERM (noting it, then exiting)
+    is given that chance. Mutant: the survivors SIGKILLed at once."""
+    ready, noted = tmp_path / "ready", tmp_path / "termed"
+    grandchild = (
+        "import signal, sys, time\n"
+        f"def on_term(*_):\n    open({str(noted)!r}, 'w').write('1')\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        f"open({str(ready)!r}, 'w').write('1')\n"
+        "time.sleep(60)\n"
+    )
+    child = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([{sys.executable!r}, '-c', {grandchild!r}])\n"
+        f"while not os.path.exists({str(ready)!r}):\n    time.sleep(0.01)\n"
+        "sys.exit(4)\n"
+    )
+    code = launch.supervise([sys.executable, "-c", child], dict(os.environ), grace=30.0)
+    assert code == 4
+    assert noted.read_text() == "1"
+
+
+def test_signals_are_ignored_inside_ignoring_signals() -> None:
+    """cli.py runs the bundles' shutdown hooks inside ``ignoring_signals`` so that a late
+    Ctrl-C neither interrupts a clean-up nor changes the status: SIGINT, SIGTERM and SIGHUP
+    are ignored there, and the handlers in force before come back after. Mutant: nothing
+    ignored."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    with launch.ignoring_signals():
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in before)
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt if handled
+        time.sleep(0.05)
+    assert {s: signal.getsignal(s) for s in before} == before
