@@ -16,8 +16,10 @@ whose ``bin/python`` logs each call and can be told to fail one. Guarded:
   stale interpreter path) and says in one line that set-up comes first when there is no venv;
 - a relative ``PYTHON`` path is taken from where the command was typed, a relative
   ``BIDKV_VENV`` from the root, and both scripts name the venv by its absolute path;
-- the developer scripts beside them (``peer_suite.sh``, ``kvcached-gpu-check.sh``) survive
-  an exported ``CDPATH``, and the peer suite rebuilds build tools left half-built.
+- the developer scripts beside them (``peer_suite.sh``, ``kvcached-gpu-check.sh``,
+  ``kvcached-python-check.sh``) survive an exported ``CDPATH``; the GPU check runs the
+  real-kvcached tests a second time under kvcached's default; the Python check refuses a
+  directory that is no kvcached source; the peer suite rebuilds build tools left half-built.
 """
 
 from __future__ import annotations
@@ -372,7 +374,30 @@ def test_kvcached_gpu_check_ignores_an_exported_cdpath(tree: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     (build,) = [cwd for cwd, args in calls if "build_ext" in args]
     assert build == str(tree.parent / "sdist")
-    assert [cwd for cwd, args in calls if args.startswith("-m pytest")] == [str(tree)]
+    # Twice from the repository root: as the caller asked, then again under kvcached's
+    # default (its prealloc thread on), without the fake-pool comparison.
+    runs = [(cwd, args) for cwd, args in calls if args.startswith("-m pytest")]
+    assert [cwd for cwd, _ in runs] == [str(tree), str(tree)]
+    assert "-k not fake_pool" in runs[1][1] and "-k" not in runs[0][1]
+
+
+def test_kvcached_python_check_runs_from_the_root_and_refuses_a_non_sdist(tree: Path) -> None:
+    """scripts/kvcached-python-check.sh: a relative source path under an exported CDPATH
+    runs the check once, from the repository root, passing the pytest arguments on; a
+    directory without kvcached's manager module is refused in one line (exit 2) before
+    anything runs."""
+    _dev_script(tree, "scripts/kvcached-python-check.sh")
+    module = tree.parent / "sdist" / "kvcached" / "kv_cache_manager.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("")
+    proc, calls = _run(tree, "scripts/kvcached-python-check.sh", "sdist", "-x", CDPATH=".")
+    assert proc.returncode == 0, proc.stderr
+    run = "-m pytest -p no:cacheprovider -q tests/test_kvcached_python.py -x"
+    assert calls == [(str(tree), run)]
+    (tree.parent / "empty").mkdir()
+    proc, calls = _run(tree, "scripts/kvcached-python-check.sh", "empty")
+    assert proc.returncode == 2 and calls == []
+    assert proc.stderr.count("\n") == 1 and "not an unpacked kvcached sdist" in proc.stderr
 
 
 # The peer suite's build tools: the base python makes a venv of stubs; that venv's pip logs,
