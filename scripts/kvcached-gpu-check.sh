@@ -54,7 +54,7 @@ fi
 "$PY" -c 'import kvcached, torch; print("kvcached", kvcached.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 # Not exec: the EXIT trap must still remove the private directory. The module runs twice:
 # with kvcached's prealloc thread off (exact page counts), then under kvcached's default
-# (on); the fake-pool comparison runs both ways itself, so only in the first.
+# (on); the fake-pool comparison runs each variant itself, so only in the first.
 status=0
 "$PY" -m pytest -p no:cacheprovider --noconftest -q -ra tests/test_kvcached_real.py "${@:3}" \
   || status=$?
