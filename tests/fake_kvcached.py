@@ -15,8 +15,9 @@ for an allocation leaves it below, seen as settled), with ``defer_physical_relea
 async scheduling) an emptied page retired, still mapped and in use, until the engine releases
 its batch's marker, a retired page reused when allocated again, and no shrink completing
 while pages are retired, the allocation order (partly used
-pages best-fit, then fresh pages, bounded by the device's free pages plus the reserved
-ones, as ``available_size`` counts them), block 0 kept as the null block when asked,
+pages best-fit, equals taken in kvcached's avail-page order, the most recently touched
+last, then fresh pages, bounded by the device's free pages plus the reserved ones, as
+``available_size`` counts them), block 0 kept as the null block when asked,
 quarantined pages making ``set_memory_limit`` raise ``QuarantinedResizeError`` (a
 ``ValueError``) without taking the revision (the notes name that outcome ``rejected``; the provider
 takes either form, and a ``rejected`` answer is tested verbatim), ``mapped_bytes``
@@ -142,8 +143,13 @@ class FakeKVCacheManager:
         self._revision = -1
         self._limit: int | None = None
         self._effective: int | None = None
+        # kvcached's avail_pages order: the pages with free blocks it may allocate from
+        # (partly used, or retired), the most recently touched last. Its best fit takes the
+        # first of equals in this order.
+        self._recency: dict[int, None] = {}
         if reserve_null_block:  # vLLM asks for it: block 0 is never handed out
             self.allocated.add(0)
+            self._recency[0] = None
         self._prealloc()  # the thread's first fill, at start-up
 
     # -- block bookkeeping
@@ -179,26 +185,41 @@ class FakeKVCacheManager:
     @_synchronized
     def alloc(self, n: int) -> list[int] | None:
         """Partly used pages first, best fit (the smallest page holding the whole run, else
-        the emptiest), then fresh pages in page order, as kvcached's allocator does."""
+        the emptiest; among equals the first in kvcached's avail-page order, see
+        ``_recency``), then fresh pages in page order, as kvcached's allocator does."""
         if self.available_size() < n:
             return None
         taken: list[int] = []
         in_use = self._holding_pages() | self._retired_pages()
         partly = {p: free for p in in_use if (free := self._free_on(p))}
-        while len(taken) < n and partly:
+        # Pages a test marked allocated directly (not through alloc) come after, by id.
+        order = [p for p in self._recency if p in partly]
+        order += sorted(p for p in partly if p not in self._recency)
+        while len(taken) < n and order:
             need = n - len(taken)
-            fits = [p for p, free in partly.items() if len(free) >= need]
-            page = (min(fits, key=lambda p: (len(partly[p]), p)) if fits
-                    else max(partly, key=lambda p: (len(partly[p]), -p)))
-            taken += partly.pop(page)[:need]
+            fits = [p for p in order if len(partly[p]) >= need]
+            # min and max keep the first of equals: the order decides ties.
+            page = (min(fits, key=lambda p: len(partly[p])) if fits
+                    else max(order, key=lambda p: len(partly[p])))
+            order.remove(page)
+            taken += partly[page][:need]
+            self._recency.pop(page, None)
+            if len(partly[page]) > need:
+                self._recency[page] = None  # still has free blocks: touched last
         fresh = 0  # pages mapped afresh: each one not in use gives blocks
+        last_fresh: int | None = None
         for page in range(self.capacity_pages):
             if len(taken) == n:
                 break
             if page not in in_use:
-                taken += self._free_on(page)[:n - len(taken)]
+                got = self._free_on(page)[:n - len(taken)]
+                taken += got
                 fresh += 1
+                if len(got) < self.blocks_per_page:
+                    last_fresh = page
         self.allocated.update(taken)
+        if last_fresh is not None and self._free_on(last_fresh):
+            self._recency[last_fresh] = None  # the last fresh page, left partly used
         if self.retired:
             # A retired page given blocks again is in use again: its release is cancelled.
             reused = self._holding_pages()
@@ -221,14 +242,23 @@ class FakeKVCacheManager:
 
     @_synchronized
     def free(self, ids: Iterable[int]) -> None:
+        blocks = list(ids)
         before = self._holding_pages()
-        self.allocated.difference_update(ids)
-        emptied = sorted(before - self._holding_pages() - self._retired_pages())
+        self.allocated.difference_update(blocks)
+        holding = self._holding_pages()
+        emptied = sorted(before - holding - self._retired_pages())
         if self.defer_physical_release and emptied:
             self._epoch += 1
             self.retired.append((self._epoch, emptied))
         else:
             self._unmap(len(emptied))
+        # Each page touched moves to the end of the avail order (kvcached visits them in its
+        # C++ grouping's order, which the C++ library decides; here, first seen); one
+        # emptied leaves it unless it is retired.
+        for page in dict.fromkeys(self._page(b) for b in blocks):
+            self._recency.pop(page, None)
+            if page in holding or (self.defer_physical_release and page in emptied):
+                self._recency[page] = None
         self._maybe_finish_shrink()
 
     def _unmap(self, emptied: int) -> None:
@@ -256,6 +286,8 @@ class FakeKVCacheManager:
         """The batch tagged ``marker`` is done: pages retired up to it are released."""
         due = [page for epoch, pages in self.retired if epoch <= marker for page in pages]
         self.retired = [(epoch, pages) for epoch, pages in self.retired if epoch > marker]
+        for page in due:
+            self._recency.pop(page, None)
         self._unmap(len(due))
         self._maybe_finish_shrink()
 

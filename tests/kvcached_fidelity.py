@@ -15,6 +15,9 @@ its compiled allocator) and records the answers (``kvcached_python_fidelity.json
 
 from __future__ import annotations
 
+import hashlib
+import json
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -187,3 +190,69 @@ def provider_steps(pools: Sequence[Any], inuse_pages: Callable[[Any], int],
     look("above the virtual size", limit(1 << 50, 3))
     freed("free group 1", second, b, 1)
     return seen
+
+
+def random_program(pool: Any, inuse_pages: Callable[[], int], seed: int,
+                   retiring: bool = False, steps: int = 60) -> list[dict[str, Any]]:
+    """A seeded random life of ``pool`` (real or fake), read after every operation as in
+    :func:`fidelity_steps`: allocations of up to three pages, frees of all, half or one
+    block of a held allocation, limits with new, repeated and older revisions and, with
+    ``retiring``, releases up to the latest or an older batch marker. The operations depend
+    only on ``seed`` and on which allocations succeeded, so two pools that answer alike
+    get the same program."""
+    rng = random.Random(seed)
+    per_page = pool.page_size // pool.block_mem_size
+    bundle = pool.page_size * pool.num_layers * pool.num_kv_buffers
+    most = int(pool.mem_size) // pool.page_size
+    held: list[list[int]] = []
+    markers: list[int] = []
+    revision = 0
+    seen: list[dict[str, Any]] = []
+    for _ in range(steps):
+        kind = rng.choice(["alloc", "alloc", "free", "free", "limit", "release"])
+        answer: Any = None
+        if kind == "alloc":
+            ids = pool.alloc(rng.randint(1, 3 * per_page))
+            if ids:
+                held.append(list(ids))
+            answer = sorted(Counter(i // per_page for i in ids or []).values())
+        elif kind == "free":
+            pick, part = rng.random(), rng.choice(["all", "half", "one"])
+            if held:
+                index = int(pick * len(held))
+                ids = held[index]
+                cut = {"all": len(ids), "half": len(ids) // 2 or 1, "one": 1}[part]
+                pool.free(ids[:cut])
+                if ids[cut:]:
+                    held[index] = ids[cut:]
+                else:
+                    held.pop(index)
+                if retiring:
+                    markers.append(pool.capture_physical_release_marker())
+        elif kind == "limit":
+            if rng.random() < 0.7:
+                revision += 1
+                used = revision
+            else:
+                used = max(0, revision - rng.randint(0, 1))
+            nbytes = rng.randint(0, most + 2) * bundle + rng.choice([0, 0, 1, bundle // 2])
+            state = pool.set_memory_limit(nbytes, revision=used)
+            answer = {k: state.get(k) for k in _STATE_KEYS}
+        else:
+            older = rng.random() < 0.4
+            if retiring:
+                marker = pool.capture_physical_release_marker()
+                if older and markers:
+                    marker = markers[len(markers) // 2]
+                pool.release_retired_pages_through(marker)
+        state = pool.memory_limit_state()
+        seen.append({"op": kind, "available": int(pool.available_size()),
+                     "inuse_pages": int(inuse_pages()), "in_shrink": bool(pool.in_shrink),
+                     "state": {k: state.get(k) for k in _STATE_KEYS}, "answer": answer})
+    return seen
+
+
+def digest(readings: list[dict[str, Any]]) -> str:
+    """A short fingerprint of a program's readings, for recordings kept small."""
+    text = json.dumps(readings, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

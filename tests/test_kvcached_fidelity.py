@@ -24,7 +24,12 @@ from typing import Any
 import pytest
 
 from tests.fake_kvcached import FakeKVCacheManager, install
-from tests.kvcached_fidelity import fidelity_steps, provider_steps
+from tests.kvcached_fidelity import (
+    digest,
+    fidelity_steps,
+    provider_steps,
+    random_program,
+)
 
 RECORD: dict[str, Any] = json.loads(
     (Path(__file__).with_name("kvcached_real_fidelity.json")).read_text(encoding="utf-8"))
@@ -144,3 +149,27 @@ def test_the_provider_reads_two_fake_pools_as_kvcached_python(
     assert [s["step"] for s in faked] == [s["step"] for s in recorded]
     for got, want in zip(faked, recorded, strict=True):
         assert got == want, f"at {want['step']!r}"
+
+
+def random_fake(retiring: bool) -> FakeKVCacheManager:
+    """A fake pool of 16 pages, of the recorded block and page sizes, for random programs."""
+    g = RECORD["geometry"]
+    return FakeKVCacheManager(
+        num_blocks=2048, block_mem_size=g["block_mem_size"], page_size=g["page_size"],
+        num_layers=g["num_layers"], num_kv_buffers=g["num_kv_buffers"],
+        physical_free_pages=1 << 40, reserve_null_block=True,
+        defer_physical_release=retiring)
+
+
+def test_the_fake_follows_kvcached_python_through_random_programs() -> None:
+    """150 seeded random programs of 60 operations, synchronous and async, on a 16-page pool:
+    the fake's readings after every operation fingerprint as kvcached's own Python's did
+    (tests/kvcached_python_fidelity.json, ``random``; tests/test_kvcached_python.py compares
+    them reading by reading where kvcached's source is at hand). Among equally free pages
+    the fake takes the first in kvcached's avail-page order, not the lowest page id."""
+    recorded: dict[str, str] = PYTHON_RECORD["random"]
+    assert len(recorded) == 300
+    for key, want in recorded.items():
+        retiring, seed = key.startswith("async"), int(key.split("/")[1])
+        pool = random_fake(retiring)
+        assert digest(random_program(pool, pool.inuse_pages, seed, retiring)) == want, key
