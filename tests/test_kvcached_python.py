@@ -84,18 +84,24 @@ print(json.dumps(seen))
 """
 
 
-def _run(script: str, *, async_sched: bool) -> list[Any]:
-    g = RECORD["geometry"]
-    code = script.format(root=str(ROOT), src=str(ROOT / "src"), source=SOURCE,
-                         async_sched=async_sched, blocks=g["mem_size"] // g["block_mem_size"],
-                         block=BLOCK, cell=CELL)
+def _child(script: str, *, timeout: float = 120, **values: object) -> Any:
+    """Run ``script`` (formatted with ``values``) in a child on kvcached's Python; the JSON
+    line it prints (kvcached prints too)."""
+    code = script.format(root=str(ROOT), src=str(ROOT / "src"), source=SOURCE, block=BLOCK,
+                         cell=CELL, **values)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env.update(KVCACHED_PAGE_PREALLOC_ENABLED="false", KVCACHED_IPC_NAME=f"bidkv_py_{os.getpid()}")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [text for text in done.stdout.splitlines() if text.startswith("[")]
-    seen: list[Any] = json.loads(line)
+    [line] = [text for text in done.stdout.splitlines() if text.startswith(("[", "{"))]
+    return json.loads(line)
+
+
+def _run(script: str, *, async_sched: bool) -> list[Any]:
+    g = RECORD["geometry"]
+    seen: list[Any] = _child(script, async_sched=async_sched,
+                             blocks=g["mem_size"] // g["block_mem_size"])
     return seen
 
 
@@ -200,16 +206,8 @@ RANDOM_BLOCKS = 2048  # 16 pages: limits and shrinks bite often
 
 
 def kvcached_random_programs() -> dict[str, list[dict[str, Any]]]:
-    code = _RANDOM_SCRIPT.format(root=str(ROOT), src=str(ROOT / "src"), source=SOURCE,
-                                 blocks=RANDOM_BLOCKS, block=BLOCK, cell=CELL,
-                                 programs=RANDOM_PROGRAMS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    env.update(KVCACHED_PAGE_PREALLOC_ENABLED="false", KVCACHED_IPC_NAME=f"bidkv_py_{os.getpid()}")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [text for text in done.stdout.splitlines() if text.startswith('{"sync/')]
-    runs: dict[str, list[dict[str, Any]]] = json.loads(line)
+    runs: dict[str, list[dict[str, Any]]] = _child(
+        _RANDOM_SCRIPT, timeout=600, blocks=RANDOM_BLOCKS, programs=RANDOM_PROGRAMS)
     return runs
 
 
