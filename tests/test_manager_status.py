@@ -424,7 +424,10 @@ def test_controller_counters_never_appear_in_status(
     shown."""
     install(site, {"org.test.p": BASE})
     set_state(tmp_path, {"org.test.p": {"enabled": True, "configuration": DECLARED}})
-    line = _live_line(stats={"preemptions": 7123, "policy_calls": 4567, "fallbacks": 891})
+    # Nine digits: no pid (at most 4,194,304) can contain one, so the evidence line's pid
+    # cannot look like a counter (891 once matched pid 5891).
+    line = _live_line(stats={"preemptions": 712371237, "policy_calls": 456745674,
+                             "fallbacks": 891891891})
     (tmp_path / "evidence.jsonl").write_text(json.dumps(line) + "\n")
     code, out, err = invoke(["extension", "status", "org.test.p"], capsys)
     assert code == 0, err
@@ -433,7 +436,8 @@ def test_controller_counters_never_appear_in_status(
     assert shown["evidence"][-1] == (
         f"live runtime evidence launch_id=l pid={os.getpid()} event=effective"
     )
-    for counter in ("preemptions", "policy_calls", "fallbacks", "7123", "4567", "891"):
+    for counter in ("preemptions", "policy_calls", "fallbacks", "712371237", "456745674",
+                    "891891891"):
         assert counter not in out
 
 
