@@ -246,7 +246,7 @@ class FakeKVCacheManager:
         before = self._holding_pages()
         self.allocated.difference_update(blocks)
         holding = self._holding_pages()
-        emptied = sorted(before - holding - self._retired_pages())
+        emptied = sorted(before - holding)  # a retired page holds no block
         if self.defer_physical_release and emptied:
             self._epoch += 1
             self.retired.append((self._epoch, emptied))

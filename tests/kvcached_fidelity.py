@@ -28,6 +28,30 @@ _STATE_KEYS = ("status", "reason", "limit_bytes", "effective_limit_bytes",
                "overage_bytes")
 
 
+def reading(pool: Any, inuse_pages: Callable[[], int], answer: Any = None) -> dict[str, Any]:
+    """What the provider reads of ``pool`` now: free blocks, pages in use, the shrink flag
+    and the limit state, with the step's ``answer``."""
+    state = pool.memory_limit_state()
+    return {"available": int(pool.available_size()), "inuse_pages": int(inuse_pages()),
+            "in_shrink": bool(pool.in_shrink),
+            "state": {k: state.get(k) for k in _STATE_KEYS}, "answer": answer}
+
+
+def release(pool: Any, marker: int | None = None) -> None:
+    """What kvcached's vLLM integration does once a worker batch is done: release the pages
+    retired up to the marker that batch was tagged with (the latest by default)."""
+    done = pool.capture_physical_release_marker() if marker is None else marker
+    pool.release_retired_pages_through(done)
+
+
+def assert_same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]],
+                      context: str = "") -> None:
+    """The same steps, in order, with the same readings; a mismatch names its step."""
+    assert [s["step"] for s in got] == [s["step"] for s in want], context
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine == theirs, f"at {theirs['step']!r}{context}"
+
+
 def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
                    settle: Callable[[], None] = lambda: None,
                    retiring: bool = False) -> list[dict[str, Any]]:
@@ -42,24 +66,15 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
     (``release_retired_pages_through`` the marker it captured): each free is then read
     twice, before and after its batch completes, and the script ends with an allocation
     before a batch completes and a shrink that two batches hold up."""
-    def release(marker: int | None = None) -> None:
-        # What kvcached's vLLM integration does once a worker batch is done: release the
-        # pages retired up to the marker that batch was tagged with (the latest by default).
-        done = pool.capture_physical_release_marker() if marker is None else marker
-        pool.release_retired_pages_through(done)
-
     per_page = pool.page_size // pool.block_mem_size
     one_page = pool.page_size * pool.num_layers * pool.num_kv_buffers
     seen: list[dict[str, Any]] = []
 
     def look(step: str, answer: Any = None) -> None:
         settle()
-        state = pool.memory_limit_state()
         if isinstance(answer, dict):
             answer = {k: answer.get(k) for k in _STATE_KEYS}
-        seen.append({"step": step, "available": int(pool.available_size()),
-                     "inuse_pages": int(inuse_pages()), "in_shrink": bool(pool.in_shrink),
-                     "state": {k: state.get(k) for k in _STATE_KEYS}, "answer": answer})
+        seen.append({"step": step, **reading(pool, inuse_pages, answer)})
 
     def alloc(n: int) -> list[int]:
         ids = pool.alloc(n)
@@ -69,7 +84,7 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
         pool.free(ids)
         if retiring:
             look(f"{step}, before the batch completes")
-            release()
+            release(pool)
         look(step)
 
     def spread(ids: list[int]) -> list[int]:
@@ -118,7 +133,7 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
         look("free the 2 pages, before the batch completes")
         again = alloc(per_page)
         look("allocate a page before the batch completes", spread(again))
-        release()
+        release(pool)
         look("the batch completes")
         # Two more pages (the null block's page filled, one page, one block on another):
         # four in use, then a limit of two, deferred. Two pages emptied in one batch and
@@ -132,9 +147,9 @@ def fidelity_steps(pool: Any, inuse_pages: Callable[[], int],
         first_batch = pool.capture_physical_release_marker()
         pool.free(more[-1:])
         look("empty 3 pages over two batches")
-        release(first_batch)
+        release(pool, first_batch)
         look("the first batch completes")
-        release()
+        release(pool)
         look("the second batch completes")
     return seen
 
@@ -170,7 +185,7 @@ def provider_steps(pools: Sequence[Any], inuse_pages: Callable[[Any], int],
         pool.free(ids)
         if retiring:
             look(f"{step}, before the batch completes")
-            pool.release_retired_pages_through(pool.capture_physical_release_marker())
+            release(pool)
         look(step, {"predicted": predicted, "released": before - int(inuse_pages(pool))})
 
     look("start")
@@ -241,14 +256,8 @@ def random_program(pool: Any, inuse_pages: Callable[[], int], seed: int,
         else:
             older = rng.random() < 0.4
             if retiring:
-                marker = pool.capture_physical_release_marker()
-                if older and markers:
-                    marker = markers[len(markers) // 2]
-                pool.release_retired_pages_through(marker)
-        state = pool.memory_limit_state()
-        seen.append({"op": kind, "available": int(pool.available_size()),
-                     "inuse_pages": int(inuse_pages()), "in_shrink": bool(pool.in_shrink),
-                     "state": {k: state.get(k) for k in _STATE_KEYS}, "answer": answer})
+                release(pool, markers[len(markers) // 2] if older and markers else None)
+        seen.append({"op": kind, **reading(pool, inuse_pages, answer)})
     return seen
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from tests.fake_kvcached import FakeKVCacheManager, install
 from tests.kvcached_fidelity import (
+    assert_same_steps,
     digest,
     fidelity_steps,
     provider_steps,
@@ -37,12 +38,15 @@ PYTHON_RECORD: dict[str, Any] = json.loads(
     (Path(__file__).with_name("kvcached_python_fidelity.json")).read_text(encoding="utf-8"))
 
 
-def _fake(min_reserved_pages: int = 0, *, defer_physical_release: bool = False,
-          group_id: int = 0, physical_free_pages: int = 1 << 20) -> FakeKVCacheManager:
-    """A fake pool of the recorded geometry."""
+def fake_pool(min_reserved_pages: int = 0, *, defer_physical_release: bool = False,
+              group_id: int = 0, physical_free_pages: int = 1 << 20,
+              num_blocks: int | None = None) -> FakeKVCacheManager:
+    """A fake pool of the recorded geometry (``num_blocks``: of another size)."""
     g = RECORD["geometry"]
+    if num_blocks is None:
+        num_blocks = g["mem_size"] // g["block_mem_size"]
     return FakeKVCacheManager(
-        num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
+        num_blocks=num_blocks, block_mem_size=g["block_mem_size"],
         page_size=g["page_size"], num_layers=g["num_layers"],
         num_kv_buffers=g["num_kv_buffers"], group_id=group_id,
         physical_free_pages=physical_free_pages, reserve_null_block=g["reserve_null_block"],
@@ -54,12 +58,10 @@ def _fake(min_reserved_pages: int = 0, *, defer_physical_release: bool = False,
                          ids=["prealloc-off", "prealloc-on"])
 def test_the_fake_pool_answers_as_the_recorded_real_one(recording: str,
                                                         min_reserved_pages: int) -> None:
-    fake = _fake(min_reserved_pages)
+    fake = fake_pool(min_reserved_pages)
     faked = fidelity_steps(fake, fake.inuse_pages)
     real = RECORD[recording]
-    assert [s["step"] for s in faked] == [s["step"] for s in real]
-    for got, want in zip(faked, real, strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(faked, real)
 
 
 def test_the_recording_shows_the_reserve_of_mapped_pages() -> None:
@@ -111,11 +113,9 @@ def test_the_fake_retires_pages_as_kvcached_python_did() -> None:
     until its batch completes, a page taken back before then is not released, and a
     shrink waits for every batch holding a retired page."""
     recorded = PYTHON_RECORD["async"]
-    pool = _fake(defer_physical_release=True)
+    pool = fake_pool(defer_physical_release=True)
     faked = fidelity_steps(pool, pool.inuse_pages, retiring=True)
-    assert [s["step"] for s in faked] == [s["step"] for s in recorded]
-    for got, want in zip(faked, recorded, strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(faked, recorded)
 
 
 def fake_provider_steps(monkeypatch: pytest.MonkeyPatch, *, retiring: bool) -> list[Any]:
@@ -127,7 +127,7 @@ def fake_provider_steps(monkeypatch: pytest.MonkeyPatch, *, retiring: bool) -> l
     signals.reset_cache()
     try:
         # The emulation under kvcached's Python reports unlimited device memory (1 << 40).
-        pools = [kv.register(_fake(defer_physical_release=retiring, group_id=group,
+        pools = [kv.register(fake_pool(defer_physical_release=retiring, group_id=group,
                                    physical_free_pages=1 << 40)) for group in (0, 1)]
         seen = provider_steps(pools, lambda pool: pool.inuse_pages(), retiring=retiring)
     finally:
@@ -146,19 +146,13 @@ def test_the_provider_reads_two_fake_pools_as_kvcached_python(
     control module's split, its manager), recorded in tests/kvcached_python_fidelity.json."""
     recorded = PYTHON_RECORD[recording]
     faked = fake_provider_steps(monkeypatch, retiring=recording == "provider_async")
-    assert [s["step"] for s in faked] == [s["step"] for s in recorded]
-    for got, want in zip(faked, recorded, strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(faked, recorded)
 
 
 def random_fake(retiring: bool) -> FakeKVCacheManager:
     """A fake pool of 16 pages, of the recorded block and page sizes, for random programs."""
-    g = RECORD["geometry"]
-    return FakeKVCacheManager(
-        num_blocks=2048, block_mem_size=g["block_mem_size"], page_size=g["page_size"],
-        num_layers=g["num_layers"], num_kv_buffers=g["num_kv_buffers"],
-        physical_free_pages=1 << 40, reserve_null_block=True,
-        defer_physical_release=retiring)
+    return fake_pool(defer_physical_release=retiring, physical_free_pages=1 << 40,
+                     num_blocks=2048)
 
 
 def test_the_fake_follows_kvcached_python_through_random_programs() -> None:

@@ -30,9 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.fake_kvcached import FakeKVCacheManager
-from tests.kvcached_fidelity import digest, fidelity_steps, random_program
-from tests.test_kvcached_fidelity import fake_provider_steps, random_fake
+from tests.kvcached_fidelity import assert_same_steps, digest, fidelity_steps, random_program
+from tests.test_kvcached_fidelity import fake_pool, fake_provider_steps, random_fake
 
 SOURCE = os.environ.get("BIDKV_KVCACHED_SRC", "")
 if not SOURCE:
@@ -110,12 +109,7 @@ def kvcached_python(*, async_sched: bool) -> list[dict[str, Any]]:
 
 
 def fake(*, async_sched: bool) -> list[dict[str, Any]]:
-    g = RECORD["geometry"]
-    pool = FakeKVCacheManager(
-        num_blocks=g["mem_size"] // g["block_mem_size"], block_mem_size=g["block_mem_size"],
-        page_size=g["page_size"], num_layers=g["num_layers"],
-        num_kv_buffers=g["num_kv_buffers"], physical_free_pages=1 << 20,
-        reserve_null_block=True, defer_physical_release=async_sched)
+    pool = fake_pool(defer_physical_release=async_sched)
     return fidelity_steps(pool, pool.inuse_pages, retiring=async_sched)
 
 
@@ -128,9 +122,7 @@ def test_the_geometry_is_the_recorded_one() -> None:
 def test_kvcached_python_over_the_emulation_answers_as_the_real_pool_did() -> None:
     real = RECORD["seen"]
     emulated = kvcached_python(async_sched=False)
-    assert [s["step"] for s in emulated] == [s["step"] for s in real]
-    for got, want in zip(emulated, real, strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(emulated, real)
 
 
 def answers() -> dict[str, list[Any]]:
@@ -159,9 +151,7 @@ def test_the_provider_reads_the_fake_as_kvcached_python(monkeypatch: pytest.Monk
     for retiring in (False, True):
         reference = _run(_PROVIDER_SCRIPT, async_sched=retiring)
         faked = fake_provider_steps(monkeypatch, retiring=retiring)
-        assert [s["step"] for s in faked] == [s["step"] for s in reference]
-        for got, want in zip(faked, reference, strict=True):
-            assert got == want, f"at {want['step']!r} (async {retiring})"
+        assert_same_steps(faked, reference, f" (async {retiring})")
 
 
 def test_the_fake_retires_pages_as_kvcached_python_does() -> None:
@@ -171,9 +161,7 @@ def test_the_fake_retires_pages_as_kvcached_python_does() -> None:
     completes still waits for a later batch's retired page."""
     reference = kvcached_python(async_sched=True)
     faked = fake(async_sched=True)
-    assert [s["step"] for s in faked] == [s["step"] for s in reference]
-    for got, want in zip(faked, reference, strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(faked, reference)
     # The script does reach the retirement: a reading before a batch completes differs
     # from the one after.
     by_step = {s["step"]: s for s in reference}

@@ -395,7 +395,7 @@ def test_the_fake_pool_follows_a_real_one(prealloc: str, async_sched: str) -> No
     from kvcached_provider.checks import shm_dir
     from kvcached_provider.segments import tp_socket_dir
     from tests.fake_kvcached import FakeKVCacheManager
-    from tests.kvcached_fidelity import fidelity_steps
+    from tests.kvcached_fidelity import assert_same_steps, fidelity_steps
 
     ipc = f"{IPC}_fid_{prealloc}_{async_sched}"
     env = dict(os.environ, KVCACHED_IPC_NAME=ipc, KVCACHED_PAGE_PREALLOC_ENABLED=prealloc,
@@ -424,5 +424,4 @@ def test_the_fake_pool_follows_a_real_one(prealloc: str, async_sched: str) -> No
     # For -rA / -s, and to refresh the recording.
     print(json.dumps({"prealloc": prealloc, "async": async_sched, "real": real["seen"],
                       "fake": faked}))
-    for got, want in zip(faked, real["seen"], strict=True):
-        assert got == want, f"at {want['step']!r}"
+    assert_same_steps(faked, real["seen"])
