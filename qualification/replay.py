@@ -180,6 +180,9 @@ def arm_from_report(
         "tpot_p95": _number(entry, "tpot_s", "p95"),
         "tpot_p99": _number(entry, "tpot_s", "p99"),
         "conservation": dict(conservation) if isinstance(conservation, Mapping) else None,
+        # qualification.md §4's policy log-tag counts and sum of r, as the policy counts them
+        # (it logs decisions only at DEBUG): recorded, not gated.
+        "policy_decisions": _decisions(entry.get("policy_decisions")),
     }
     enabled = ctrl.get("enabled")
     return ArmResult(
@@ -201,6 +204,30 @@ def arm_from_report(
         command=tuple(command),
         extra=extra,
     )
+
+
+# BidkvPreemptionPolicy.decision_stats(), as the replay writes it.
+DECISION_NAMES = (
+    "selections",
+    "cascade_selections",
+    "liveness_reselections",
+    "strategy_abstentions",
+    "barrier_decisions",
+    "liveness_epochs",
+    "useful_blocks",
+)
+
+
+def _decisions(node: object) -> dict[str, int | None] | None:
+    """The policy's decision counts; None from a replay that wrote none (an older one, or a
+    policy other than the selector). Like the controller counters, a count that is not a
+    non-negative integer is left out: these are recorded, and decide nothing."""
+    if not isinstance(node, Mapping):
+        return None
+    return {
+        k: v for k in DECISION_NAMES if k in node
+        if (v := node[k]) is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    }
 
 
 def run_replay_arm(

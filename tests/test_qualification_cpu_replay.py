@@ -341,6 +341,34 @@ def test_arm_figures_map_each_report_percentile() -> None:
     assert arm.throughput == 12.5
 
 
+def test_arm_records_the_policys_decision_counts() -> None:
+    """qualification.md §4's policy log-tag counts and sum of r come from the replay's
+    ``policy_decisions`` (recorded, not gated): copied as counted, None where the report
+    has none (an older replay or another policy); a count that is no non-negative integer
+    is left out, as the controller counters are."""
+    entry: dict[str, object] = {
+        "label": "x", "requests": 3, "completed": 3, "output_tokens": 9,
+        "throughput_output_tok_s": 12.5, "ttft_s": {"p50": 0.1, "p95": 0.2},
+        "e2e_s": {"p50": 1.0, "p95": 2.0},
+    }
+    counts = {"selections": 7, "cascade_selections": 1, "liveness_reselections": 2,
+              "strategy_abstentions": 0, "barrier_decisions": 3, "liveness_epochs": 3,
+              "useful_blocks": 11}
+    arm = arm_from_report("candidate", {"arms": [{**entry, "policy_decisions": counts}]}, [],
+                          0.0, "report.json")
+    assert arm.extra["policy_decisions"] == counts
+    other = {**counts, "useful_blocks": None, "selections": -1, "barrier_decisions": True,
+             "liveness_epochs": 2.0, "unknown": 4}
+    arm = arm_from_report("candidate", {"arms": [{**entry, "policy_decisions": other}]}, [],
+                          0.0, "report.json")
+    assert arm.extra["policy_decisions"] == {
+        "cascade_selections": 1, "liveness_reselections": 2, "strategy_abstentions": 0,
+        "useful_blocks": None}
+    for absent in ({}, {"policy_decisions": None}, {"policy_decisions": [1, 2]}):
+        arm = arm_from_report("candidate", {"arms": [{**entry, **absent}]}, [], 0.0, "r.json")
+        assert arm.extra["policy_decisions"] is None
+
+
 def _controller(**changes: object) -> dict[str, object]:
     """An arm's controller counters, zero unless given."""
     counters = dict.fromkeys(

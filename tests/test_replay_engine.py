@@ -117,6 +117,31 @@ def test_report_states_the_policy_versions(pressured: dict[str, Any]) -> None:
     assert arms["clairvoyant (reference)"]["policy_config"] is None
 
 
+def test_report_carries_the_selectors_decision_counts(
+    pressured: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each selector arm's decision counts (BidkvPreemptionPolicy.decision_stats) agree with
+    its controller's counters: every call named a victim, was left to the strategy's
+    abstention or was a barrier. bidkv sums its r (at least one block per victim named);
+    other strategies score no r; the reference arm is no selector. A tight liveness budget
+    shows the guard's decisions in the counts."""
+    arms = {a["label"]: a for a in pressured["arms"]}
+    tight = _replay(tmp_path, "tight", *PRESSURE, "--num-gpu-blocks", "150",
+                    "--no-prefix-caching",
+                    "--policies", "bidkv{liveness_preemptions=1}")["arms"][0]
+    for arm in (arms["builtin"], arms["least-computed-first"], arms["bidkv"], tight):
+        d, c = arm["policy_decisions"], arm["controller"]
+        assert d["selections"] == c["selections"], arm["label"]
+        assert d["strategy_abstentions"] + d["barrier_decisions"] == c["abstentions"]
+        assert d["liveness_epochs"] == d["barrier_decisions"]
+    assert arms["builtin"]["policy_decisions"]["strategy_abstentions"] > 0
+    assert arms["least-computed-first"]["policy_decisions"]["useful_blocks"] is None
+    bidkv = arms["bidkv"]["policy_decisions"]
+    assert bidkv["useful_blocks"] >= bidkv["selections"] > 0
+    assert tight["policy_decisions"]["liveness_reselections"] > 0
+    assert arms["clairvoyant (reference)"]["policy_decisions"] is None
+
+
 def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
     args = [*PRESSURE, "--policies", "random,bidkv", "--seed", "7"]
     for name in ("one", "two"):

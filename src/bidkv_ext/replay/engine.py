@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -49,6 +49,7 @@ from bidkv_ext.replay.arms import Arm, arm_additional_config, error_line
 from bidkv_ext.replay.steptime import StepTimeModel
 from bidkv_ext.replay.tokens import PromptFactory
 from bidkv_ext.replay.trace import TraceRequest
+from bidkv_ext.selector import BidkvPreemptionPolicy
 
 if TYPE_CHECKING:
     from bidkv_ext.replay.capacity import CapacitySchedule, ElasticPool
@@ -167,6 +168,9 @@ class ArmRun:
     # The resolved BidKVConfig of a selector arm (None for other policies): what a claim
     # about "bidkv" ran with, so reports from different defaults cannot be confused.
     policy_config: Mapping[str, object] | None = None
+    # A selector arm's decision counts (BidkvPreemptionPolicy.decision_stats), read after
+    # the run; None for other policies.
+    policy_decisions: Mapping[str, object] | None = None
 
 
 class _SimTime:
@@ -238,7 +242,9 @@ def run_arm(
                       PromptFactory(settings.seed), step_model, settings, clock, elastic)
         _observed_run(state, observer, ModelRunnerOutput, progress)
         wall = time.perf_counter() - started
-    return state.result(arm, wall, usable_blocks, policy_config)
+    decisions = (asdict(built.decision_stats())
+                 if isinstance(built, BidkvPreemptionPolicy) else None)
+    return state.result(arm, wall, usable_blocks, policy_config, decisions)
 
 
 def _build_scheduler(
@@ -623,7 +629,12 @@ class _Loop:
             self.position[i] = 0
 
     def result(
-        self, arm: Arm, wall: float, usable_blocks: int, policy_config: dict[str, Any] | None
+        self,
+        arm: Arm,
+        wall: float,
+        usable_blocks: int,
+        policy_config: dict[str, Any] | None,
+        policy_decisions: dict[str, Any] | None = None,
     ) -> ArmRun:
         """The arm's record; finishes the elastic pool, so call it once, after the run."""
         capacity = None
@@ -649,6 +660,7 @@ class _Loop:
             return_steps=self.return_steps,
             returns=self.returns,
             policy_config=policy_config,
+            policy_decisions=policy_decisions,
         )
 
     def outcomes(self) -> tuple[RequestOutcome, ...]:

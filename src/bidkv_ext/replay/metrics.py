@@ -98,6 +98,10 @@ def arm_metrics(run: ArmRun) -> dict[str, object]:
         "slo_attainment": _ratio(good, len(done)),
         "controller": dict(run.controller),
         "policy_config": dict(run.policy_config) if run.policy_config is not None else None,
+        # Why the selector answered as it did: its decision counts (None for other policies).
+        "policy_decisions": (
+            dict(run.policy_decisions) if run.policy_decisions is not None else None
+        ),
         "conservation": _conservation(run),
     }
     if run.capacity is not None:

@@ -131,7 +131,15 @@ class UtilityParams:
 class UtilityStrategy:
     """``bidkv``: the candidate with the highest U = r / (delta + epsilon)."""
 
-    __slots__ = ("_known", "_lost_slope", "_shrinking", "last_index", "params")
+    __slots__ = (
+        "_known",
+        "_lost_slope",
+        "_shrinking",
+        "last_cascade",
+        "last_index",
+        "last_useful_blocks",
+        "params",
+    )
 
     name = "bidkv"
 
@@ -139,6 +147,10 @@ class UtilityStrategy:
         self.params = params or UtilityParams.from_config()
         self._shrinking = False
         self.last_index = -1
+        # About the last victim named (read by the selector's decision counts): its r, the
+        # blocks it frees that the requester can use, and whether the cascade guard named it.
+        self.last_useful_blocks = 0
+        self.last_cascade = False
         # Positions found during one decision, by object identity; one dict reused (the
         # hot path allocates none per call).
         self._known: dict[int, int] = {}
@@ -196,7 +208,11 @@ class UtilityStrategy:
                 builtin = self._if_sufficient(builtin, need, facts)
         best = self._argmax(window, builtin, facts, need)
         if best is not None:
+            favourite = best
             best = self._cascade_guard(best, requester, facts, need)
+            self.last_cascade = best is not favourite
+            freed = self._freed_blocks(best, facts)
+            self.last_useful_blocks = freed if freed < need else need
         # Its position in the tuple we were given (see BidkvPreemptionPolicy).
         if best is None or candidates is not given:
             self.last_index = -1
