@@ -79,6 +79,13 @@ def test_arms_differ_only_by_the_bundle(run_dir: Path) -> None:
         assert cand["extra"]["label"] == "bidkv_ext.selector.BidkvPreemptionPolicy"
         assert cand["policy_enabled"] is True and cand["invoked"] is True
         assert cand["counters"]["failures"] == 0 == cand["counters"]["invalid_selections"]
+        # Its decision counts (qualification.md §4) came through, and agree with the
+        # controller's counters.
+        decisions = cand["extra"]["policy_decisions"]
+        assert decisions["selections"] == cand["counters"]["selections"] > 0
+        assert decisions["strategy_abstentions"] + decisions["barrier_decisions"] \
+            == cand["counters"]["abstentions"]
+        assert decisions["useful_blocks"] >= decisions["selections"]
         # Baseline: the built-in victim, never overridden.
         assert base["extra"]["label"] == "builtin"
         assert base["counters"]["selections"] == 0
