@@ -20,10 +20,9 @@ from tests.policy_helpers import cand, ctx
 
 
 def replay_decisions(threshold: int, rounds: int) -> list[tuple[int, str]]:
-    """Drive the controller like a host: each victim's num_preemptions grows by one."""
-    policy = BidkvPreemptionPolicy(
-        BidKVConfig(enabled=True, strategy="largest-first", liveness_preemptions=threshold)
-    )
+    """Drive the controller like a host: each victim's num_preemptions grows by one (its
+    computed tokens stay, so bidkv's favourite stays the least computed, "D")."""
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=threshold))
     controller = PolicyController(policy)
     cands = {rid: cand(rid, computed=size) for rid, size in
              [("A", 5000), ("B", 3000), ("C", 1000), ("D", 500)]}
@@ -46,14 +45,14 @@ def test_no_request_exceeds_threshold_plus_one_per_epoch(threshold: int) -> None
     # The favourite is taken `threshold` times, then the others get their turn before any
     # new epoch starts: nobody is untouched while one request absorbs every preemption.
     first_epoch = [v for e, v in history if e == 0]
-    assert first_epoch[:threshold] == ["A"] * threshold
+    assert first_epoch[:threshold] == ["D"] * threshold
     assert set(first_epoch) == {"A", "B", "C", "D"}
     assert len({e for e, _ in history}) > 3
 
 
 def test_threshold_zero_disables_the_guard() -> None:
     history = replay_decisions(0, 12)
-    assert [v for _, v in history] == ["A"] * 12
+    assert [v for _, v in history] == ["D"] * 12
 
 
 def test_state_does_not_grow_with_departed_requests() -> None:
@@ -180,12 +179,12 @@ def test_host_facts_change_the_estimate_of_freed_blocks() -> None:
 def test_second_epoch_gives_every_request_its_full_budget(threshold: int) -> None:
     """Liveness over two epochs: the barrier victim's preemption is booked to the epoch it
     ends, so the next epoch starts every request with a full budget. In epoch 1 exactly as
-    in epoch 0, A, B, C and D are each taken `threshold` times in score order, then the
+    in epoch 0, D, C, B and A are each taken `threshold` times in score order, then the
     barrier takes the host's victim D once more: threshold + 1 for D, the per-epoch bound,
     reached and not exceeded."""
     history = replay_decisions(threshold, 3 * (4 * threshold + 1))
-    expected = ["A"] * threshold + ["B"] * threshold + ["C"] * threshold + (
-        ["D"] * (threshold + 1))
+    expected = ["D"] * threshold + ["C"] * threshold + ["B"] * threshold + (
+        ["A"] * threshold) + ["D"]
     for epoch in (0, 1, 2):
         assert [v for e, v in history if e == epoch] == expected
     assert Counter(v for e, v in history if e == 1) == {
@@ -224,11 +223,10 @@ def test_a_barrier_preemption_the_host_skips_does_not_widen_the_bound(threshold:
     preemption in advance, so without a correction it would be taken threshold + 1 times
     by the policy in the new epoch, plus the next barrier. With it, no request exceeds
     threshold + 1 preemptions in any epoch, the skipped barrier included."""
-    policy = BidkvPreemptionPolicy(BidKVConfig(
-        enabled=True, strategy="largest-first", liveness_preemptions=threshold))
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, liveness_preemptions=threshold))
     controller = PolicyController(policy)
     preemptions = {"a": threshold, "b": threshold}
-    computed = {"a": 100, "b": 500}
+    computed = {"a": 500, "b": 100}  # "b", the host's victim, is bidkv's favourite
     taken: Counter[tuple[int, str]] = Counter()
     for step in range(6 * (threshold + 1)):
         candidates = [cand(r, computed=computed[r], preemptions=preemptions[r])
@@ -349,3 +347,30 @@ def test_an_abstention_on_a_spent_host_victim_is_the_epochs_barrier() -> None:
     assert {victim for _, victim in history} == {"x"}  # nothing else frees a block
     assert max(Counter(history).values()) <= 2  # threshold + 1
     assert policy.barrier_decisions >= 2
+
+
+@pytest.mark.parametrize("settings", [{}, {"liveness_preemptions": 8},
+                                      {"liveness_preemptions": 1}])
+@pytest.mark.parametrize(("strategy", "favourite"), [
+    ("preempt-evict", "d"), ("lifo", "d"), ("largest-first", "a"),
+    ("least-computed-first", "d"),
+])
+def test_the_liveness_guard_is_bidkvs_alone(
+    strategy: str, favourite: str, settings: dict[str, int]
+) -> None:
+    """The reference applied its liveness guard on the utility path only, and the brief
+    names ``preempt-evict`` vLLM's LIFO victim: a peer strategy is its plain rule however
+    often its favourite was preempted and whatever the threshold (the bundle's manifest
+    sets 8 under ``vllm-hust-ext run``). The guard used to move ``preempt-evict`` off the
+    tail after 8 preemptions of it in an epoch."""
+    policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, strategy=strategy, **settings))
+    controller = PolicyController(policy)
+    sizes = {"a": 900, "b": 300, "c": 600, "d": 100}
+    preemptions = dict.fromkeys(sizes, 0)
+    for _ in range(20):
+        cands = [cand(r, computed=sizes[r], preemptions=preemptions[r]) for r in sizes]
+        victim = controller.select_victim(ctx(cands, requester="b"))
+        assert victim == favourite
+        preemptions[victim] += 1
+    stats = policy.decision_stats()
+    assert (stats.selections, stats.liveness_reselections, stats.barrier_decisions) == (20, 0, 0)

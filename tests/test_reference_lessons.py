@@ -182,15 +182,15 @@ def _decisions() -> list[tuple[BidKVConfig, PreemptionContext]]:
     liveness filter, a barrier, an abstention on nothing to free, an inactive policy."""
     prefill = [cand("mid", computed=1800, output=5, prompt=1795),
                cand("req", computed=1500, output=0, prompt=6000)]
-    favourite_spent = [dataclasses.replace(mixed()[2], num_preemptions=1), *mixed()[:2]]
+    # bidkv's favourite in mixed() is "d", the least computed.
+    favourite_spent = [*mixed()[:3], dataclasses.replace(mixed()[3], num_preemptions=1)]
     spent = [dataclasses.replace(c, num_preemptions=1) for c in mixed()]
     zero = [cand(f"z{i}", computed=0) for i in range(3)]
     on = BidKVConfig(enabled=True)
     return [
         (on, ctx(mixed())),
         (BidKVConfig(enabled=True, prefix_caching=False), ctx(prefill, requester="req")),
-        (BidKVConfig(enabled=True, strategy="largest-first", liveness_preemptions=1),
-         ctx(favourite_spent)),
+        (BidKVConfig(enabled=True, liveness_preemptions=1), ctx(favourite_spent)),
         (BidKVConfig(enabled=True, liveness_preemptions=1), ctx(spent)),
         (on, ctx(zero)),
         (BidKVConfig(), ctx(mixed())),

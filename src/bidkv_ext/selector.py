@@ -6,9 +6,10 @@ or on stock vLLM through :mod:`bidkv_ext.hosts.vllm`. The host calls
 :meth:`BidkvPreemptionPolicy.from_vllm_config`; the configuration comes from
 ``BIDKV_UTILITY_*`` variables and ``additional_config["bidkv"]`` (see :mod:`bidkv_ext.config`).
 
-Per decision: the kill switch / disabled check, the liveness guard, then the configured
-strategy. Inactive policies abstain (the host uses its built-in victim), so installing and
-loading the bundle changes nothing until it is enabled.
+Per decision: the kill switch / disabled check, then the configured strategy, whose choice
+the liveness guard checks when the strategy is ``bidkv`` (the other strategies are the
+plain rules their names say). Inactive policies abstain (the host uses its built-in
+victim), so installing and loading the bundle changes nothing until it is enabled.
 """
 
 from __future__ import annotations
@@ -89,7 +90,15 @@ class BidkvPreemptionPolicy:
         self.config = config if config is not None else BidKVConfig.from_sources(None, os.environ)
         self.registry = registry if registry is not None else default_registry(self.config)
         self._strategy: VictimStrategy = self.registry.get(self.config.strategy)
-        self._guard = LivenessGuard(self.config.liveness_preemptions)
+        # The strategy that scores r (bidkv), whose last choice the counts read; None for
+        # the others.
+        self._scorer = self._strategy if isinstance(self._strategy, UtilityStrategy) else None
+        # The liveness guard is BidKV's, as the reference applied it on its utility path
+        # only: every other strategy is the plain rule its name says (preempt-evict is
+        # vLLM's LIFO victim however often the tail was preempted before).
+        self._guard = LivenessGuard(
+            self.config.liveness_preemptions if self._scorer is not None else 0
+        )
         self._active = self.config.is_active
         self.victim_index_hint = -1
         # Decision counts (decision_stats): plain integers, so the hot path only adds.
@@ -99,9 +108,6 @@ class BidkvPreemptionPolicy:
         self.strategy_abstentions = 0
         self.barrier_decisions = 0
         self.useful_blocks = 0
-        # The strategy that scores r (bidkv), whose last choice the counts read; None for
-        # the others.
-        self._scorer = self._strategy if isinstance(self._strategy, UtilityStrategy) else None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: object) -> BidkvPreemptionPolicy:

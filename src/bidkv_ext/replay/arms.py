@@ -240,7 +240,8 @@ def named_arm(name: str, seed: int) -> Arm:
         "enabled": True, "kill_switch": False, "strategy": name, "seed": seed,
     }
     if name != "bidkv":
-        # Peers are the plain rules of evaluation.md: none of our guards.
+        # Peers are the plain rules of evaluation.md: none of our guards. (The selector
+        # guards only bidkv; the 0 makes the report's recorded settings say so.)
         overrides["liveness_preemptions"] = 0
     overrides.update(extra)
     return Arm(label, "named", factory, overrides)
