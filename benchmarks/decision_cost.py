@@ -200,6 +200,11 @@ def policy_rows(context: PreemptionContext) -> dict[str, Timed]:
 
 def host_requests(context: PreemptionContext) -> list[Any]:
     """Real vLLM ``Request`` objects carrying the context's candidate values, in order."""
+    # The first vLLM import of the run: the offline host sets VLLM_TARGET_DEVICE=cpu (when
+    # unset) before vLLM settles its platform, which the host-facts table's engine needs.
+    import bidkv_ext.hosts.vllm.offline  # noqa: F401
+
+    # isort: split
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 

@@ -151,3 +151,23 @@ def test_the_host_facts_row_times_the_adapters_facts_on_a_real_block_pool() -> N
                for f in facts.facts.values())  # type: ignore[attr-defined]
     assert any(f.exclusive_blocks < f.total_blocks  # type: ignore[attr-defined]
                for f in facts.facts.values())  # type: ignore[attr-defined]
+
+
+def test_the_readme_command_runs_in_a_shell_without_vllm_settings(tmp_path: Path) -> None:
+    """benchmarks/README.md runs ``python benchmarks/decision_cost.py`` as it is. Without
+    ``VLLM_TARGET_DEVICE`` in the environment the host rows imported vLLM first, so vLLM
+    settled on no platform and the host-facts table's engine failed ("Failed to infer
+    device type") after every other table had printed. A real subprocess, so vLLM's
+    platform is settled afresh."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    environment = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "decision_cost.py"), "--sizes", "8",
+         "--repeat", "1", "--samples", "3"],
+        env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"| {decision_cost.FACTS_ROW} |" in done.stdout
