@@ -1392,6 +1392,9 @@ def test_cli_prints_the_config_line_and_exits_2(
             return
         text = json.dumps(additional, allow_nan=False)
         try:
+            # The user's own settings first (an arm's settings must not hide a malformed
+            # one), then the arm's merged configuration, as check_arms does.
+            BidKVConfig.from_sources(additional, env, block_size=16, prefix_caching=True)
             arms.arm_config(arm, additional, environ=env, block_size=16, prefix_caching=True)
             expected = None
         except ConfigError as exc:

@@ -453,14 +453,43 @@ def test_a_malformed_variable_an_arm_replaces_is_still_refused(
     assert not (tmp_path / "out").exists()
 
 
-def test_arm_settings_may_repair_the_shared_section(tmp_path: Path) -> None:
-    """An arm override replaces a bad shared value, as in the engine: no false refusal."""
-    from bidkv_ext.replay.arms import check_arms, parse_arms
+@pytest.mark.parametrize(
+    ("section", "policies", "expected"),
+    [
+        ({"enabled": "maybe"}, "bidkv,lifo", "['enabled']='maybe' is invalid"),
+        ({"kill_switch": "garbage"}, "bidkv", "['kill_switch']='garbage' is invalid"),
+        ({"strategy": "nope"}, "bidkv", "['strategy']='nope' is invalid"),
+        ({"seed": 1.5}, "random", "['seed']=1.5 is invalid"),
+        ({"liveness_preemptions": -3}, "lcf", "['liveness_preemptions']=-3 is invalid"),
+        ({"preempt_weight": -1}, "bidkv{preempt_weight=1}", "['preempt_weight']=-1 is invalid"),
+    ],
+)
+def test_a_malformed_shared_value_an_arm_replaces_is_still_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    section: dict[str, object], policies: str, expected: str,
+) -> None:
+    """Every arm writes its own ``enabled``, ``strategy``, ``kill_switch`` and ``seed``
+    (and its ``{...}`` settings) over ``additional_config["bidkv"]`` before the engine reads
+    it, so a malformed shared value for one of those keys never reached a check and the
+    replay ran (``{"bidkv": {"enabled": "maybe"}}`` exited 0). Like a malformed
+    BIDKV_UTILITY_* value an arm replaces, it is refused, naming its key, before any arm."""
+    message = _refused(capsys, tmp_path, "--policies", policies,
+                       "--additional-config", json.dumps({"bidkv": section}))
+    assert message.startswith(f"bidkv-replay: error: additional_config['bidkv']{expected}")
+    assert not (tmp_path / "out").exists()
 
-    arms = parse_arms("bidkv{preempt_weight=1}", preemption_policy=None, policy_classes=[],
-                      seed=0)
-    check_arms(arms, {"bidkv": {"preempt_weight": -1}}, environ={}, block_size=16,
-               prefix_caching=True)
+
+def test_arm_settings_replace_well_formed_shared_values(tmp_path: Path) -> None:
+    """Precedence still picks among well-formed values: an arm's settings replace the
+    shared section's without a refusal, and the engine reads the arm's."""
+    from bidkv_ext.replay.arms import arm_config, check_arms, parse_arms
+
+    arms = parse_arms("bidkv{preempt_weight=1},lcf", preemption_policy=None,
+                      policy_classes=[], seed=0)
+    shared = {"bidkv": {"preempt_weight": 3, "strategy": "random", "enabled": False}}
+    check_arms(arms, shared, environ={}, block_size=16, prefix_caching=True)
+    config = arm_config(arms[0], shared, environ={}, block_size=16, prefix_caching=True)
+    assert (config.preempt_weight, config.strategy, config.enabled) == (1.0, "bidkv", True)
 
 
 # --- 7. atomic writes -----------------------------------------------------------------

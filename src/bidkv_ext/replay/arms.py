@@ -391,6 +391,7 @@ def check_arms(
 
     # What the selector's from_vllm_config adds from the engine; it wins over any setting.
     facts: dict[str, object] = {"block_size": block_size, "prefix_caching": prefix_caching}
+    user_checked = False
     for arm in arms:
         if arm.bidkv_overrides is not None:
             try:
@@ -400,6 +401,12 @@ def check_arms(
         elif not _builds_selector(arm, BidkvPreemptionPolicy):
             continue
         try:
+            if not user_checked:
+                # An arm's own settings replace the user's "bidkv" values for the same keys
+                # before the engine reads them (arm_additional_config), so those values
+                # are checked here, alone, or a malformed one would pass unseen.
+                BidKVConfig.from_sources(additional_config, environ, **facts)
+                user_checked = True
             arm_config(arm, additional_config, environ=environ, block_size=block_size,
                        prefix_caching=prefix_caching)
         except ConfigError as exc:
