@@ -8,7 +8,7 @@ Bad input is one error line naming the file or variable: JSON the parser rejects
 plain ValueError (an over-long integer), a whitespace-only ``VLLM_HUST_EXT_CONFIG``, a
 state path that is a FIFO (refused at once, never waited on) or a directory (refused
 before its lock file is made), a ``VLLM_HUST_EXT_CONFIG`` spelled as a directory ("/"),
-a ``configure --file`` FIFO or directory. As in
+a ``configure --file`` FIFO or directory, a state file whose directory cannot be made. As in
 the official manager, unknown top-level keys are ignored and NaN is read and written back.
 A symlinked state file stays a link, and its target gets the new state. ``list``,
 ``inspect`` and ``status`` show the stored enabled flag; ``configure`` needs an installed
@@ -528,6 +528,28 @@ def test_a_whitespace_only_config_variable_is_refused(tmp_path: Path) -> None:
     line = _one_error_line(_cli(" ", ["extension", "enable", "org.vllm-hust.kvcached"], tmp_path))
     assert "VLLM_HUST_EXT_CONFIG must be a path" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("below", "reason"), [
+    ((), "a file is in the way"),  # mkdir itself says only "File exists"
+    (("sub",), "Not a directory"),
+])
+@pytest.mark.parametrize("argv", [["extension", "disable", "org.test.a"],
+                                  ["extension", "enable", "org.vllm-hust.bidkv"]])
+def test_a_state_file_whose_directory_cannot_be_made_is_named(
+    tmp_path: Path, argv: list[str], below: tuple[str, ...], reason: str
+) -> None:
+    """A state path under a regular file: mkdir said only ``[Errno 17] File exists:
+    '<dir>'`` (or ``[Errno 20] Not a directory``), naming neither the state file nor the
+    variable. Now one line names both and why, and the file in the way is left as it was."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("keep\n")
+    target = blocker.joinpath(*below, "config.json")
+    line = _one_error_line(_cli(str(target), argv, tmp_path))
+    assert line == (
+        f"vllm-hust-ext: error: vllm-hust-ext config {target}: cannot create its directory "
+        f"{target.parent} ({reason}; VLLM_HUST_EXT_CONFIG sets where the state file lives)")
+    assert blocker.read_text() == "keep\n"
 
 
 def test_a_symlinked_state_file_stays_a_link_and_its_target_is_updated(

@@ -14,6 +14,7 @@ one: the new state replaces the link's target.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -169,12 +170,27 @@ def _resolved(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
+def _make_parent(target: Path) -> None:
+    """Create the state file's directory; when that fails, say which file it was for
+    (a bare ``[Errno 2] No such file or directory: '/x'`` names neither)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        # mkdir says "File exists" when a file stands where the directory should be.
+        reason = ("a file is in the way" if error.errno == errno.EEXIST
+                  else error.strerror or str(error))
+        raise ValueError(
+            f"vllm-hust-ext config {target}: cannot create its directory {target.parent} "
+            f"({reason}; {CONFIG_ENV} sets where the state file lives)"
+        ) from None
+
+
 def write_state(state: State, path: Path | None = None) -> None:
     """Atomic replace of the (link-resolved) file: temp file in its directory, 0600,
     fsync, ``os.replace``."""
     target = _resolved(config_path() if path is None else path)
     text = json.dumps(state.to_document(), indent=2, sort_keys=True) + "\n"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(target)
     fd, temp = tempfile.mkstemp(prefix=".config-", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as stream:
@@ -191,7 +207,7 @@ def write_state(state: State, path: Path | None = None) -> None:
 
 @contextlib.contextmanager
 def _locked(target: Path) -> Iterator[None]:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(target)
     lock_path = target.with_name(target.name + ".lock")
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
