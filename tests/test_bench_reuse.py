@@ -260,6 +260,26 @@ def test_slices_without_a_gap_do_not_count_towards_closing_it() -> None:
         "gap to clairvoyant closed 0.00 over 4 of 10 slices (goal >= 0.5): NO")
 
 
+@pytest.mark.parametrize(("oracle_tax", "bidkv_tax", "mark"), [
+    (0.5, 0.5, "n/a"),     # the reference recomputes as much as the best peer: no gap
+    (0.625, 0.5, "n/a"),   # ... or more (the README's conv-pc-moderate window)
+    (0.25, 0.375, "yes"),  # half of the gap 0.5 -> 0.25 closed
+    (0.25, 0.4375, "NO"),  # a quarter of it
+])
+def test_the_comparison_suite_marks_a_gapless_window_not_applicable(
+    oracle_tax: float, bidkv_tax: float, mark: str
+) -> None:
+    """``run.py comparison``'s goal line said "closes half the gap to clairvoyant: yes"
+    whenever the reference recomputed no less than the best peer and bidkv matched the best
+    peer: there was no gap, so nothing was closed. It says "n/a" there now, as the slices
+    suite's median already leaves such slices out."""
+    b, lcf = "builtin", "least-computed-first"
+    arms = _slice(_arm(b, 0.5), _arm(lcf, 0.75), _arm("bidkv", bidkv_tax),
+                  _arm(run.ORACLE, oracle_tax))
+    line = run._goals(PC, arms, prefix_caching=True)
+    assert f"closes half the gap to clairvoyant: {mark};" in line, line
+
+
 def test_slice_goals_without_prefix_caching() -> None:
     b, lcf = "builtin", "least-computed-first"
     runs = [

@@ -178,10 +178,20 @@ def test_one_signals_source_at_a_time() -> None:
         assert signals.current_page_model() is None  # a failing source never raises
 
 
+# A KV-cache coordinator that counts no block to allocate (these tests read pages, not the
+# requester's shortfall, which tests/test_host_facts_layouts.py checks on the real one).
+_NO_SHORTFALL: dict[str, Any] = {
+    "coordinator": SimpleNamespace(get_num_blocks_to_allocate=lambda **_: 0),
+    "empty_kv_cache_blocks": SimpleNamespace(blocks=((),)),
+}
+_REQUEST = {"num_computed_tokens": 0, "num_prompt_tokens": 0, "num_tokens": 0}
+
+
 def _stub_host(held: dict[str, list[int]], pinned: set[int], hashed: set[int],
                prefix_caching: bool) -> Any:
     """What ``PolicySchedulerMixin._host_facts`` reads of a vLLM scheduler: the running
-    requests' blocks (one KV group; block 0 is vLLM's null block), nothing else."""
+    requests' blocks (one KV group; block 0 is vLLM's null block), and a coordinator that
+    counts no shortfall."""
     refs: Counter[int] = Counter(b for blocks in held.values() for b in blocks)
     blocks = {b: SimpleNamespace(block_id=b, is_null=b == 0,
                                  ref_cnt=refs[b] + (1 if b in pinned else 0),
@@ -190,7 +200,8 @@ def _stub_host(held: dict[str, list[int]], pinned: set[int], hashed: set[int],
     lists = {rid: SimpleNamespace(blocks=([blocks[b] for b in ids],))
              for rid, ids in held.items()}
     manager = SimpleNamespace(get_blocks=lists.__getitem__,
-                              block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0))
+                              block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0),
+                              **_NO_SHORTFALL)
     return SimpleNamespace(
         kv_cache_manager=manager, block_size=16, num_lookahead_tokens=0, max_model_len=1 << 20,
         running=[SimpleNamespace(request_id=rid, num_computed_tokens=0) for rid in held],
@@ -215,7 +226,7 @@ def test_the_host_reads_pages_released_from_real_kvcached_while_it_shrinks(
             "c": [40, 48, 49]}  # page 3's only live blocks, and the shared 40
     pool.allocated.update(b for blocks in held.values() for b in blocks)
     host = _stub_host(held, pinned=set(), hashed={16}, prefix_caching=prefix_caching)
-    request = SimpleNamespace(request_id="a", num_computed_tokens=0)
+    request = SimpleNamespace(request_id="a", **_REQUEST)
 
     def pages() -> dict[str, int | None]:
         facts = PolicySchedulerMixin._host_facts(host, request, 0)  # type: ignore[arg-type]
@@ -244,7 +255,7 @@ def test_one_decision_queries_kvcached_once(kv: FakeKvcached) -> None:
     held = {"a": list(range(16, 32)), "b": [*range(32, 40)]}
     pool.allocated.update(b for blocks in held.values() for b in blocks)
     host = _stub_host(held, pinned=set(), hashed=set(), prefix_caching=False)
-    request = SimpleNamespace(request_id="b", num_computed_tokens=0)
+    request = SimpleNamespace(request_id="b", **_REQUEST)
     policy = BidkvPreemptionPolicy(BidKVConfig(enabled=True, prefix_caching=False))
     cands = [cand("a", computed=256, output=10), cand("b", computed=128, output=10)]
     for shrinking in (False, True):
@@ -291,7 +302,7 @@ def test_shrink_state_survives_a_pool_without_page_occupancy(
     pool.in_shrink = shrinking
     # A kvcached that cannot report page occupancy.
     monkeypatch.setattr(pool, "get_page_occupancy", None)
-    request = SimpleNamespace(request_id="b", num_computed_tokens=0)
+    request = SimpleNamespace(request_id="b", **_REQUEST)
     host = _stub_host(held, pinned=set(), hashed=set(), prefix_caching=False)
 
     facts = PolicySchedulerMixin._host_facts(host, request, 0)  # type: ignore[arg-type]

@@ -602,8 +602,12 @@ def _stub_scheduler(h: Holding) -> Any:
               for b in range(h.num_blocks)}
     lists = {rid: SimpleNamespace(blocks=tuple([blocks[b] for b in g] for g in groups))
              for rid, groups in h.held.items()}
+    # The coordinator counts no shortfall: this property is about pages (the requester's
+    # shortfall is checked on the real coordinator in tests/test_host_facts_layouts.py).
     manager = SimpleNamespace(get_blocks=lists.__getitem__,
-                              block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0))
+                              block_pool=SimpleNamespace(get_num_free_blocks=lambda: 0),
+                              coordinator=SimpleNamespace(get_num_blocks_to_allocate=lambda **_: 0),
+                              empty_kv_cache_blocks=SimpleNamespace(blocks=((),)))
     return SimpleNamespace(kv_cache_manager=manager, block_size=16, num_lookahead_tokens=0,
                            max_model_len=1 << 20,
                            running=[SimpleNamespace(request_id=rid) for rid in h.held])
@@ -618,7 +622,8 @@ def _check_host_facts(h: Holding) -> None:
     from bidkv_ext.hosts.vllm.scheduler import PolicySchedulerMixin
 
     stub = _stub_scheduler(h)
-    request = SimpleNamespace(request_id="r0", num_computed_tokens=0)
+    request = SimpleNamespace(request_id="r0", num_computed_tokens=0, num_prompt_tokens=0,
+                              num_tokens=0)
 
     def facts_of() -> PreemptionContextFacts:
         return PolicySchedulerMixin._host_facts(stub, request, 1)  # type: ignore[arg-type]

@@ -126,6 +126,33 @@ def _candidate_facts(held: _Held, per_page: int) -> dict[str, CandidateFacts]:
     }
 
 
+def _blocks_to_allocate(
+    manager: Any, request: Request, num_new_tokens: int, lookahead: int, max_model_len: int,
+) -> int:
+    """The blocks the running-queue ``allocate_slots(request, num_new_tokens,
+    num_lookahead_tokens=lookahead)`` asks the pool for, counted by vLLM's own coordinator
+    with the arguments that call derives (vLLM 0.33.0; the adapter refuses other versions).
+
+    Counting it by hand (``ceil(tokens / block_size)`` minus the blocks held) is right only
+    for one full-attention group: a sliding-window group holds null blocks the allocator
+    counts as held, and a hybrid model needs blocks in every group, each of its own size.
+    """
+    computed = min(request.num_computed_tokens, max_model_len)
+    main_model = computed + num_new_tokens
+    # allocate_slots never reserves slots past max_model_len (the drafter's lookahead near
+    # the end of a request would otherwise count a block it will not get).
+    return int(manager.coordinator.get_num_blocks_to_allocate(
+        request_id=request.request_id,
+        num_tokens=min(main_model + lookahead, max_model_len),
+        new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+        num_encoder_tokens=0,
+        total_computed_tokens=computed,
+        num_local_computed_tokens=request.num_computed_tokens,
+        num_tokens_main_model=main_model,
+        prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+    ))
+
+
 def _kvcached_pages(
     held: _Held, facts: dict[str, CandidateFacts], prefix_caching: bool,
 ) -> tuple[dict[str, CandidateFacts], bool]:
@@ -230,12 +257,12 @@ class PolicySchedulerMixin:
     def _host_facts(self, request: Request, num_new_tokens: int) -> PreemptionContextFacts:
         """Optional block facts, computed only for policies that ask for them.
 
-        ``needed_blocks`` is an estimate: the blocks (first KV-cache group) that
-        ``request`` needs to hold ``num_computed_tokens + num_new_tokens + lookahead``
-        tokens, capped at ``max_model_len`` as ``allocate_slots`` caps them, minus the
-        blocks it already holds, minus the pool's free blocks (cached free blocks count as
-        free, as the allocator evicts them). Multi-group models and sliding-window frees
-        are not modelled.
+        ``needed_blocks`` is the shortfall ``allocate_slots`` just met: the blocks vLLM's
+        own KV-cache coordinator counts for ``request``'s step (every KV-cache group, each
+        with its own block size; sliding-window groups count their null blocks as held, as
+        the allocator does) minus the pool's free blocks (cached free blocks count as free,
+        as the allocator evicts them). The running-queue call passes no prefix-cache hits,
+        encoder tokens, reserve or watermark, so none is counted here.
 
         ``pages_released`` is filled when a capacity-signals source with a page model
         is registered (the replay's elastic pool): the pages on which every block held by a
@@ -257,15 +284,9 @@ class PolicySchedulerMixin:
             prefix_caching = bool(getattr(getattr(self, "cache_config", None),
                                           "enable_prefix_caching", False))
             facts, in_shrink = _kvcached_pages(blocks, facts, prefix_caching)
-        held = facts[request.request_id].total_blocks if request.request_id in facts else 0
-        # allocate_slots never reserves slots past max_model_len (the drafter's lookahead
-        # near the end of a request would otherwise count a block it will not get).
-        tokens = min(
-            request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens,
-            self.max_model_len,
-        )
-        required = -(-tokens // self.block_size) - held
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        required = _blocks_to_allocate(manager, request, num_new_tokens,
+                                       self.num_lookahead_tokens, self.max_model_len)
+        free = manager.block_pool.get_num_free_blocks()
         return PreemptionContextFacts(
             self.block_size, max(0, required - free), facts, in_shrink)
 
