@@ -280,6 +280,24 @@ def test_the_comparison_suite_marks_a_gapless_window_not_applicable(
     assert f"closes half the gap to clairvoyant: {mark};" in line, line
 
 
+def test_slice_headline_takes_the_better_peer_per_metric_and_direction() -> None:
+    """evaluation.md's other headline metrics: per slice bidkv over the better of builtin
+    and LCF on that metric, the lower for latencies and preemptions, the higher for
+    goodput (the least would call a goodput loss a tie with the worse peer)."""
+    b, lcf = "builtin", "least-computed-first"
+
+    def arm(label: str, p99: float, tpot: float, goodput: float, preemptions: int
+            ) -> dict[str, object]:
+        return {**_arm(label, 0.1, p99=p99), "tpot_s": {"p99": tpot},
+                "goodput_req_s": goodput, "preemptions": preemptions}
+
+    runs = [_slice(arm(b, 8.0, 0.02, 2.0, 10), arm(lcf, 4.0, 0.04, 1.0, 20),
+                   arm("bidkv", 4.0, 0.03, 1.5, 25))] * 3
+    assert run._slice_headline(PC, runs) == (
+        "- `c-pc`: P99 TTFT 1.000 [1.000, 1.000]; P99 TPOT 1.500 [1.500, 1.500]; "
+        "goodput 0.750 [0.750, 0.750]; preemptions 2.500 [2.500, 2.500]")
+
+
 def test_slice_goals_without_prefix_caching() -> None:
     b, lcf = "builtin", "least-computed-first"
     runs = [

@@ -453,19 +453,24 @@ def ratio_of(value: float, peer: float) -> float:
 
 
 def metric_of(arm: dict[str, Any], metric: str) -> float:
-    """One arm's ``tax`` (recompute tax), ``p95``/``p99`` (TTFT) or any other report key."""
+    """One arm's ``tax`` (recompute tax), ``p95``/``p99`` (TTFT), ``tpot_p99`` or any other
+    report key."""
     if metric == "tax":
         return float(arm["recompute_tax"])
     if metric in ("p95", "p99"):
         return float(arm["ttft_s"][metric])
+    if metric == "tpot_p99":
+        return float(arm["tpot_s"]["p99"])
     return float(arm[metric])
 
 
 def paired_ratios(
-    runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, *peers: str
+    runs: list[dict[str, dict[str, Any]]], metric: str, arm: str, *peers: str,
+    best: Callable[[Iterable[float]], float] = min,
 ) -> list[float]:
-    """Per slice, ``arm``'s metric over the best (least) of ``peers`` on that slice."""
-    return [ratio_of(metric_of(r[arm], metric), min(metric_of(r[p], metric) for p in peers))
+    """Per slice, ``arm``'s metric over the best of ``peers`` on that slice: the least, or
+    with ``best=max`` the most (a metric where higher is better)."""
+    return [ratio_of(metric_of(r[arm], metric), best(metric_of(r[p], metric) for p in peers))
             for r in runs]
 
 
@@ -534,6 +539,23 @@ def _slice_goals(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
     return f"- `{cell.name}`: " + "; ".join(marks)
 
 
+# evaluation.md section 1's headline metrics besides recompute tax: (label, report metric,
+# whether higher is better). Preemptions are the count over the slice.
+HEADLINE = (("P99 TTFT", "p99", False), ("P99 TPOT", "tpot_p99", False),
+            ("goodput", "goodput_req_s", True), ("preemptions", "preemptions", False))
+
+
+def _slice_headline(cell: Cell, runs: list[dict[str, dict[str, Any]]]) -> str:
+    """bidkv over the better of builtin and LCF on each headline metric, per slice: median
+    and 95 % bootstrap interval. Reported beside the goals, not a goal of issue 8."""
+    parts = []
+    for name, metric, higher in HEADLINE:
+        values = paired_ratios(runs, metric, BIDKV, BUILTIN, LCF, best=max if higher else min)
+        low, high = _bootstrap_median(values)
+        parts.append(f"{name} {statistics.median(values):.3f} [{low:.3f}, {high:.3f}]")
+    return f"- `{cell.name}`: " + "; ".join(parts)
+
+
 def _slice_capture(runs: list[dict[str, dict[str, Any]]]) -> str:
     """evaluation.md's oracle-gap capture of recompute tax against LIFO (builtin), median
     over the slices where the clairvoyant reference recomputes less than builtin (elsewhere
@@ -559,10 +581,12 @@ def run_slices(
     results = over_slices(_replay_slice, jobs)
     rows: list[str] = []
     goals: list[str] = []
+    headline: list[str] = []
     for cell in cells:
         runs = results[cell.name]
         rows += _slice_rows(cell, runs)
         goals.append(_slice_goals(cell, runs))
+        headline.append(_slice_headline(cell, runs))
     header = (
         "| cell | policy | median tax | median TTFT p95 s | median out tok/s | max preempt "
         "(worst slice) | tax / LCF | tax / builtin | TTFT p95 / LCF |\n"
@@ -575,7 +599,11 @@ def run_slices(
             + f"Cells (knobs; the `--duration` shown is each slice's length):\n{knobs}\n"
             + "\nIssue 8 goals for the default `bidkv` arm (medians over slices of per-slice "
             + "ratios):\n"
-            + "\n".join(goals) + "\n\n" + took_line(started, saved))
+            + "\n".join(goals)
+            + "\n\nevaluation.md's other headline metrics for `bidkv`, against the better of "
+            + "builtin and LCF on that metric in that slice (higher is better for goodput, "
+            + "lower for the rest); median over slices [95 % bootstrap interval]:\n"
+            + "\n".join(headline) + "\n\n" + took_line(started, saved))
 
 
 def took_line(started: float, saved: tuple[int, int]) -> str:
