@@ -94,8 +94,11 @@ def counters_from_metrics(
         # creates a label set on first use): within a family that is there, an event with
         # no series has counted nothing. A series whose sample is NaN/Inf stays unknown.
         counters.update(dict.fromkeys(absent, 0))
-    enabled_value = gauge(after, "vllm:preemption_policy_enabled")
-    enabled = None if enabled_value is None else enabled_value >= 1
+    # qualification.md section 6 gate 8: the gauge = 1. Every engine exports its own
+    # series, so each must read 1: a sum >= 1 took one enabled engine out of two (or a
+    # gauge of 2) for an enabled policy.
+    series = [v for n, _labels, v in after if n == "vllm:preemption_policy_enabled"]
+    enabled = all(v == 1 for v in series) if series else None
     return (counters or None), enabled
 
 

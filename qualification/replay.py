@@ -273,7 +273,14 @@ def run_replay_arm(
     if rc is None or not report.is_file():
         return not_run
     if rc == 0:
-        return arm_from_report(arm, read_report(report), argv, wall, str(report))
+        try:
+            return arm_from_report(arm, read_report(report), argv, wall, str(report))
+        except QualificationError as exc:
+            # A report the replay wrote but no arm can be read from fails this arm, with
+            # the reason; it must not end the run and lose the arms already run.
+            return ArmResult.not_started(
+                arm, f"bidkv-replay exit 0 but its report is unusable: {exc}", wall_s=wall,
+                command=tuple(argv))
     # The replay ran and wrote its report, then failed a check of its own (conservation):
     # keep its figures and fail the arm with its own line, not as one that never ran.
     try:

@@ -555,6 +555,20 @@ def test_cli_check_exit_status(monkeypatch: pytest.MonkeyPatch,
         "ok   a\nFAIL b\norg.vllm-hust.kvcached: 1 check(s) failed\n")
 
 
+def test_cli_check_with_an_empty_ipc_checks_it_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``check --ipc ''`` was read as "no --ipc" and checked the manifest's default name
+    (ok), where ``limit`` and ``cleanup`` refuse an empty name: it is checked as given."""
+    from kvcached_provider.cli import main
+
+    assert main(["check", "--ipc", ""]) == 1
+    out = capsys.readouterr().out
+    assert "'vllm_hust_kvcached'" not in out
+    assert any(line.startswith("FAIL") and "KVCACHED_IPC_NAME" in line
+               for line in out.splitlines()), out
+
+
 def test_cli_check_without_ipc_reads_the_bundles_manifest(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

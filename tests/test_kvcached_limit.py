@@ -695,3 +695,55 @@ def test_a_full_disk_after_applying_says_what_was_applied(
     assert err.startswith("kvcached-provider: error: limit applied at revision 1 (via "
                           "in-process), but cannot save ")
     assert stored(dirs[0])["revision"] == 1  # never reused
+
+
+def test_a_control_record_locked_by_another_process_times_out_in_one_line(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Notes section 5: readers take ``flock(LOCK_SH)`` on the control record. That lock was
+    taken blocking, inside the state file's lock: a process holding the record's exclusive
+    lock hung ``limit --timeout 0.3`` (and every other instance's ``limit`` behind the state
+    lock) until it let go. Now the command gives up after its timeout, in one line naming
+    the record, sends nothing, and the state file's lock stays free while it waits."""
+    import fcntl
+
+    state, shm = dirs
+    holder = os.open(shm / IPC, os.O_RDWR)  # another open file: flock conflicts with it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    free_while_waiting: list[bool] = []
+
+    def probe_state_lock() -> None:
+        time.sleep(0.1)
+        fd = os.open(state / "instances.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free_while_waiting.append(True)
+        except BlockingIOError:
+            free_while_waiting.append(False)
+        finally:
+            os.close(fd)
+
+    prober = threading.Thread(target=probe_state_lock)
+    # The holder lets go after 3 s, so that a regression fails the asserts below instead
+    # of hanging the suite.
+    release = threading.Timer(3.0, fcntl.flock, (holder, fcntl.LOCK_UN))
+    try:
+        prober.start()
+        release.start()
+        started = time.monotonic()
+        code, out, err = run(capsys, "--timeout", "0.3", "16M")
+        took = time.monotonic() - started
+    finally:
+        prober.join()
+        release.cancel()
+        release.join()
+        os.close(holder)
+    assert code == 2 and out == ""
+    assert err == (f"kvcached-provider: error: kvcached control record {shm / IPC} stayed "
+                   f"locked by another process for 0.3 s: expected it free between "
+                   f"kvcached's writes (find the holder with `fuser {shm / IPC}`); nothing "
+                   "was sent\n")
+    assert took < 3.0  # bounded by the timeout, not by the holder
+    assert free_while_waiting == [True]
+    assert pool.capacity_pages == 4  # nothing applied
+    assert run(capsys, "16M")[0] == 0  # and the next command goes through

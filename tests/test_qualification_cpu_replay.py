@@ -146,17 +146,23 @@ ARM = '"label": "x", "completed": 1, "output_tokens": 1'
         (f'{{"arms": [{{{ARM}, "requests": NaN}}]}}', "got nan"),
     ],
 )
-def test_malformed_report_is_one_line_naming_it(
-    tmp_path: Path, report: str, message: str, capsys: pytest.CaptureFixture[str]
+def test_malformed_report_fails_its_arm_in_one_line_and_keeps_the_run(
+    tmp_path: Path, report: str, message: str
 ) -> None:
-    # A bad replay report.json is bad input (exit 2, one line naming the file), not a
-    # traceback from json.loads, dict access on a list or int(nan).
+    """A bad replay report.json fails that arm with one line naming the file (not a
+    traceback from json.loads, dict access on a list or int(nan)). It used to end the
+    whole run with exit 2 and no record.json, losing the arms already run, where the README
+    says an arm that goes wrong mid-run fails that arm and the run goes on (exit 1)."""
     profile = _fake_replay_profile(tmp_path, report)
     out = tmp_path / "out"
-    assert main(["run", str(profile), "--out", str(out), "--repeats", "1", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("qualification: error: bidkv-replay report ") and message in err
-    assert str(out / "cells") in err and "report.json" in err and err.count("\n") == 1
+    assert main(["run", str(profile), "--out", str(out), "--repeats", "1", "--quiet"]) == 1
+    pair = _pair(out)
+    for arm in (pair["baseline"], pair["candidate"]):
+        error = str(arm["error"])
+        assert arm["started"] is False
+        assert error.startswith("bidkv-replay exit 0 but its report is unusable: "
+                                "bidkv-replay report ") and message in error, error
+        assert str(out / "cells") in error and "report.json" in error and "\n" not in error
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-1", "true", '"3"'])

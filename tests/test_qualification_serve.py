@@ -168,6 +168,22 @@ def test_policy_counters_and_enabled_gauge_from_metrics() -> None:
     assert enabled is False
 
 
+@pytest.mark.parametrize(("gauges", "enabled"), [
+    (['{engine="0"} 1', '{engine="1"} 1'], True),
+    (['{engine="0"} 0', '{engine="1"} 1'], False),  # one engine of two: not enabled
+    ([" 2"], False),  # the gauge is 0 or 1; 2 is no "= 1"
+    ([], None),  # no gauge: unknown
+])
+def test_the_enabled_gauge_must_read_1_on_every_engine(
+    gauges: list[str], enabled: bool | None
+) -> None:
+    """qualification.md section 6 gate 8: "Policy enabled (gauge = 1)". The gauge's series
+    were summed and read as enabled from 1 up, so a data-parallel run with the policy
+    enabled on one engine of two, or a gauge of 2, passed the gate."""
+    text = "".join(f"vllm:preemption_policy_enabled{g}\n" for g in gauges)
+    assert counters_from_metrics([], parse_prometheus(text))[1] is enabled
+
+
 def test_policy_counters_from_the_managers_evidence(tmp_path: Path) -> None:
     """The largest counters seen (a later event may carry a smaller snapshot), the last
     enabled flag and policy name; a torn line does not hide the others."""

@@ -107,7 +107,9 @@ def _check(args: argparse.Namespace) -> int:
             break
         except (OSError, ValueError):
             continue
-    configuration = {"environment": {"KVCACHED_IPC_NAME": args.ipc}} if args.ipc else {}
+    # `--ipc ''` is checked as given (and fails), not read as "no --ipc".
+    configuration = ({"environment": {"KVCACHED_IPC_NAME": args.ipc}}
+                     if args.ipc is not None else {})
     lines = check(manifest, configuration)
     for ok, text in lines:
         print(f"{'ok  ' if ok else 'FAIL'} {text}")

@@ -104,7 +104,7 @@ from kvcached_provider.checks import (
     env_directory,
     shm_dir,
 )
-from kvcached_provider.locking import lock_exclusive_within
+from kvcached_provider.locking import lock_exclusive_within, lock_within
 
 __all__ = [
     "ACCEPTED_STATES",
@@ -279,12 +279,16 @@ class ControlRecord:
 
 
 def read_control_record(
-    name: str, directory: Path | None = None, *, lock: bool = True
+    name: str, directory: Path | None = None, *, lock: bool = True,
+    wait_s: float | None = None,
 ) -> ControlRecord | None:
     """Read one record under a shared ``flock``, as kvcached's readers do; None if absent.
 
     ``lock=False`` reads without the ``flock``, for a caller that only reports what it
-    sees: any process holding an exclusive lock on the file would otherwise block it."""
+    sees: any process holding an exclusive lock on the file would otherwise block it.
+    ``wait_s`` bounds the wait for that lock (a command's own ``--timeout``); a record
+    still locked by then is a :class:`LimitError` naming it. None waits as long as it
+    takes (the engine's own reads)."""
     path = (directory if directory is not None else shm_dir()) / name
     try:
         # O_NONBLOCK: opening a FIFO planted at the path must not hang (no effect on files).
@@ -301,7 +305,7 @@ def read_control_record(
                 f"{_RECORD.size} bytes, found {_file_kind(info.st_mode)}"
             )
         if lock:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            _lock_shared(fd, path, wait_s)
         data = os.pread(fd, _RECORD.size + 1, 0)
     except OSError as exc:
         raise LimitError(f"cannot read kvcached control record {path}: {exc.strerror}") from exc
@@ -314,6 +318,22 @@ def read_control_record(
         )
     total, used, prealloc = _RECORD.unpack(data)
     return ControlRecord(name, info.st_ino, total, used, prealloc)
+
+
+def _lock_shared(fd: int, path: Path, wait_s: float | None) -> None:
+    """``flock(LOCK_SH)`` on a control record, given up after ``wait_s`` seconds.
+
+    kvcached's writers hold the exclusive lock only while they write 24 bytes, so a lock
+    held for seconds is another process's doing; a command must time out, not hang.
+    """
+    if wait_s is None:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    elif not lock_within(fd, wait_s, _POLL_S, shared=True):
+        raise LimitError(
+            f"kvcached control record {path} stayed locked by another process for "
+            f"{wait_s:g} s: expected it free between kvcached's writes (find the holder "
+            f"with `fuser {path}`); nothing was sent"
+        )
 
 
 def _file_kind(mode: int) -> str:
@@ -340,15 +360,18 @@ def _read_text(path: Path) -> str:
         return stream.read().decode("utf-8")
 
 
-def _instance_records(ipc: str, directory: Path | None = None) -> dict[str, ControlRecord]:
-    """The records of an instance: ``<ipc>`` (group 0) and ``<ipc>_g<N>`` (other groups)."""
+def _instance_records(
+    ipc: str, directory: Path | None = None, wait_s: float | None = None
+) -> dict[str, ControlRecord]:
+    """The records of an instance: ``<ipc>`` (group 0) and ``<ipc>_g<N>`` (other groups);
+    ``wait_s`` as in :func:`read_control_record`."""
     base = directory if directory is not None else shm_dir()
     names = [ipc]
     with contextlib.suppress(OSError):
         names += sorted(p.name for p in base.glob(f"{ipc}_g*") if is_instance_record(ipc, p.name))
     records = {}
     for name in names:
-        record = read_control_record(name, base)
+        record = read_control_record(name, base, wait_s=wait_s)
         if record is not None:
             records[name] = record
     return records
@@ -872,12 +895,14 @@ def set_limit(
                 detail=f"another `kvcached-provider limit` for instance {ipc!r} was still "
                        f"waiting for the engine after {timeout_s:g} s; nothing was sent",
             )
+        # Read before the state file's lock: a record locked by another process then
+        # costs this command its timeout, and never holds up other instances' commands.
+        records = _instance_records(ipc, shm_path, wait_s=timeout_s)
         with store.locked():
             state = store.load()
             entry = state.instances.get(ipc)
             revision = entry.revision + 1 if entry is not None else 1
-            violation, has_marker = _kvctl_change(entry, _instance_records(ipc, shm_path),
-                                                  shm_path)
+            violation, has_marker = _kvctl_change(entry, records, shm_path)
             if violation is not None:
                 return LimitResult.refused(ipc, limit_bytes, revision, status="rejected",
                                            reason="kvctl_limit_detected", detail=violation)
@@ -895,6 +920,8 @@ def set_limit(
                                  timeout_s=timeout_s, directory=base)
         update: dict[str, Any] = {"limit_bytes": limit_bytes, "status": result.status}
         if result.accepted:
+            # Unbounded: the limit is applied, and its markers must be saved with it (a
+            # refusal here would leave the next command taking our limit for kvctl's).
             update["records"] = _marks(_instance_records(ipc, shm_path))
         if result.status == "stale":
             seen = [int(p.get("revision", 0) or 0) for p in result.pools]
