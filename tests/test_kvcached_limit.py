@@ -747,3 +747,25 @@ def test_a_control_record_locked_by_another_process_times_out_in_one_line(
     assert free_while_waiting == [True]
     assert pool.capacity_pages == 4  # nothing applied
     assert run(capsys, "16M")[0] == 0  # and the next command goes through
+
+
+@pytest.mark.parametrize("where", ["instances.json", "locks/inst1.lock"])
+def test_a_directory_where_a_state_file_belongs_is_named_with_what_was_expected(
+    pool: FakeKVCacheManager, dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+    where: str,
+) -> None:
+    """A directory in place of the state file said ``[Errno 21] Is a directory: 5`` (the
+    5 a file descriptor), and one in place of an instance's lock file named only the state
+    directory. Each line now names the path and what was expected there."""
+    state = dirs[0]
+    (state / where).mkdir(parents=True)
+    code, out, err = run(capsys, "16M")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    if where == "instances.json":
+        assert err == (f"kvcached-provider: error: cannot read {state / where}: [Errno 22] "
+                       "expected a regular file, found a directory\n")
+    else:
+        assert err == (f"kvcached-provider: error: cannot use state directory {state} "
+                       f"({state / where}: Is a directory); set KVCACHED_PROVIDER_STATE_DIR "
+                       "to a writable directory\n")
+    assert pool.capacity_pages == 4

@@ -353,10 +353,15 @@ def _read_text(path: Path) -> str:
     otherwise hang the reader (a ``limit`` command, or the engine's responder thread).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as stream:
+    try:
+        # Checked before fdopen, which refuses a directory with "Is a directory: <fd>".
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, f"expected a regular file, found {_file_kind(mode)}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as stream:
         return stream.read().decode("utf-8")
 
 
@@ -433,8 +438,8 @@ class _RevisionStore:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise LimitError(
-                f"cannot use state directory {self.directory}: {exc.strerror}; set "
-                "KVCACHED_PROVIDER_STATE_DIR to a writable directory"
+                f"cannot use state directory {self.directory} ({path}: {exc.strerror}); "
+                "set KVCACHED_PROVIDER_STATE_DIR to a writable directory"
             ) from exc
 
     @contextlib.contextmanager
