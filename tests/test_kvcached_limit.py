@@ -43,6 +43,7 @@ from tests.fake_kvcached import (
     virtual_total,
     write_record,
 )
+from tests.lock_helpers import lock_is_held
 
 IPC = "inst1"
 START = LimitResponder.start  # kept before any test patches it
@@ -714,14 +715,7 @@ def test_a_control_record_locked_by_another_process_times_out_in_one_line(
 
     def probe_state_lock() -> None:
         time.sleep(0.1)
-        fd = os.open(state / "instances.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            free_while_waiting.append(True)
-        except BlockingIOError:
-            free_while_waiting.append(False)
-        finally:
-            os.close(fd)
+        free_while_waiting.append(not lock_is_held(state / "instances.lock"))
 
     prober = threading.Thread(target=probe_state_lock)
     # The holder lets go after 3 s, so that a regression fails the asserts below instead

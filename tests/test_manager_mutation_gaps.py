@@ -29,7 +29,6 @@ test failing:
 from __future__ import annotations
 
 import copy
-import fcntl
 import json
 import os
 import subprocess
@@ -42,6 +41,7 @@ from hust_ext_manager import runtime_evidence
 from hust_ext_manager.launch import merge_additional_config, merge_option
 from hust_ext_manager.state import ExtensionState, State, load_state, mutate_state, write_state
 
+from tests.lock_helpers import lock_is_held
 from tests.manager_helpers import fake_site, install_bundles, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,15 +100,7 @@ def test_a_change_through_a_link_holds_the_lock_of_the_file_it_names(tmp_path: P
     probed: list[bool] = []
 
     def probe(state: State) -> State:
-        # flock locks belong to open file descriptions: this fresh one conflicts even here.
-        fd = os.open(target.with_name("config.json.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            probed.append(False)
-        except BlockingIOError:
-            probed.append(True)
-        finally:
-            os.close(fd)
+        probed.append(lock_is_held(target.with_name("config.json.lock")))
         return state
 
     mutate_state(probe, link)
